@@ -1,0 +1,102 @@
+"""Serve configuration: what `m3serve serve`, `serve deploy` files and the Helm chart all describe.
+
+One shape for every entry point: the CLI builds it from flags (+ `--config FILE`), a Ray Serve config file passes
+it as `args` of `deploy.app:build_app`, and the Helm chart renders it into `serveConfigV2`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from workers.config import EngineConfig, ParallelConfig, Role
+from workers.configio import ConfigError, from_dict, read_yaml
+
+__all__ = ["GroupConfig", "TransferConfig", "HttpConfig", "ServeConfig", "load_serve_config", "ConfigError", "Role"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupConfig:
+    """One role's engine replicas: each replica is one model instance with `tp * dp` shards."""
+
+    replicas: int = 1
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+    num_cpus_per_shard: float = 0.5  # Ray CPU resource per ShardWorker (CPU device); GPUs take 1 GPU each
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.num_cpus_per_shard < 0:
+            raise ValueError("num_cpus_per_shard: must be >= 0")
+        self.parallel  # validates tp/ep/dp
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, ep=self.ep, dp=self.dp)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """KV transfer between prefill and decode groups (disaggregation)."""
+
+    timeout_s: float = 30.0  # a transfer not done by then fails the request
+    lease_s: float = 60.0  # prefill-side pages never collected are freed after this
+    retry_prefill: bool = False  # retry a failed prefill/transfer once on another prefill replica
+
+
+@dataclass(frozen=True, kw_only=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """The whole serving system. `model: null` serves the built-in tiny model (written on first use)."""
+
+    model: str | None = None
+    model_name: str | None = None  # name clients pass as `model`; default: the model directory's name
+    device: Literal["cpu", "cuda"] = "cpu"
+    api_key: str | None = None  # else env M3SERVE_API_KEY; None = no auth
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    disaggregate: bool = False
+    unified: GroupConfig = field(default_factory=GroupConfig)
+    prefill: GroupConfig = field(default_factory=GroupConfig)
+    decode: GroupConfig = field(default_factory=GroupConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+    ingress_replicas: int = 1
+    router_replicas: int = 1
+
+    def groups(self) -> dict[Role, GroupConfig]:
+        """The engine groups this config runs, by role."""
+        if self.disaggregate:
+            return {"prefill": self.prefill, "decode": self.decode}
+        return {"unified": self.unified}
+
+
+def load_serve_config(source: str | Path | dict[str, Any] | None = None,
+                      overrides: dict[str, Any] | None = None) -> ServeConfig:
+    """A ServeConfig from a YAML path or a dict, with `overrides` (nested dicts) applied on top, strictly."""
+    if source is None:
+        data: dict[str, Any] = {}
+        where = "<defaults>"
+    elif isinstance(source, dict):
+        data, where = dict(source), "<args>"
+    else:
+        where = str(source)
+        data = read_yaml(source)
+    merged = _merge(data, overrides or {})
+    return from_dict(ServeConfig, merged, source=where)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out

@@ -1,0 +1,67 @@
+"""Engine-side configuration: frozen, keyword-only dataclasses (loaded strictly by `workers.configio`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Role = Literal["unified", "prefill", "decode"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Layout of one model instance (worker group): tp * dp shard workers; ep spans them.
+
+    tp: tensor-parallel size (attention heads, dense MLPs, vocab). dp: attention-data-parallel size (each DP rank
+    holds its own requests and KV pages). ep: expert-parallel size; experts split over ep ranks, and ep must
+    divide tp * dp (EP spans the TP x DP ranks of the group). ep == 1 replicates experts (TP-sharded).
+    """
+
+    tp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "ep", "dp"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ValueError(f"{name}: must be >= 1, got {v}")
+        if (self.tp * self.dp) % self.ep:
+            raise ValueError(f"ep: {self.ep} must divide tp * dp = {self.tp * self.dp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Scheduler, KV pool and batching limits of one engine (one model instance)."""
+
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # KV pool size: on GPU a fraction of free device memory after weights; on CPU a byte budget.
+    gpu_memory_utilization: float = 0.90
+    kv_cache_bytes: int = 64 * 2**20
+    num_pages: int | None = None  # exact pool size (tests); overrides both budgets
+    enable_prefix_caching: bool = True
+    max_waiting: int = 512  # waiting-queue bound; the server answers 429 beyond it
+    admission_watermark: float = 0.01  # fraction of pages kept free when admitting new requests
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len: must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens: must be >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization: must be in (0, 1]")
+        if self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes: must be >= 1")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("num_pages: must be >= 1")
+        if not 0.0 <= self.admission_watermark < 1.0:
+            raise ValueError("admission_watermark: must be in [0, 1)")
