@@ -57,13 +57,18 @@ def _check(q, k_cache, v_cache, row_seq, positions, block_ids) -> None:
         raise ValueError(f"attention: block_ids {tuple(block_ids.shape)} must be [N, Hkv, topk]")
 
 
-def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale):
-    """Public launcher, dense causal (torch reference until the Triton kernels land)."""
+def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale, *, num_prefill_rows=0):
+    """Public launcher, dense causal (torch reference until the Triton kernels land).
+
+    Rows [0, num_prefill_rows) are prefill-chunk tokens, rows [num_prefill_rows, N) decode rows (the batch
+    suffix); a launcher may route the two spans to different kernels.
+    """
     _check(q, k_cache, v_cache, row_seq, positions, None)
     return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale)
 
 
-def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block_ids, scale):
-    """Public launcher, MSA block-sparse (torch reference until the Triton kernels land)."""
+def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block_ids, scale, *,
+                     num_prefill_rows=0):
+    """Public launcher, MSA block-sparse (torch reference until the Triton kernels land); spans as above."""
     _check(q, k_cache, v_cache, row_seq, positions, block_ids)
     return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids)

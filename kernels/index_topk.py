@@ -54,8 +54,9 @@ def select_topk_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor, row_seq: torch.Tensor,
-               positions: torch.Tensor, topk: int, local_blocks: int) -> torch.Tensor:
-    """Public launcher (torch reference until the Triton kernel lands)."""
+               positions: torch.Tensor, topk: int, local_blocks: int, *, num_prefill_rows: int = 0) -> torch.Tensor:
+    """Public launcher (torch reference until the Triton kernel lands). Rows [num_prefill_rows, N) are decode
+    rows (the batch suffix) and may take a dedicated decode kernel."""
     if q_idx.dim() != 3 or index_k_cache.dim() != 3 or q_idx.shape[-1] != index_k_cache.shape[-1]:
         raise ValueError(f"index_topk: q_idx {tuple(q_idx.shape)} / index_k_cache {tuple(index_k_cache.shape)}")
     if row_seq.shape != positions.shape or row_seq.shape[0] != q_idx.shape[0]:
