@@ -6,12 +6,24 @@ Semantics (M3_SPEC.md §3, one row = one query token at absolute position p of i
   the top min(topk, p // bs + 1) blocks are selected per index head r.
 Output layout (the one explicit top-k layout of the project): int32 [N, n_idx, topk], the selected *logical*
 block ids of the request in ascending order, -1 padding at the tail. Ties in score go to the lower block id.
+
+Decode path (Triton, two launches): `_index_scores_kernel` on a grid (decode rows, num_kv_splits) computes the
+block maxima; split s takes blocks s, s + S, s + 2S, ... of its row, so the work spreads over the splits whatever
+the row's real length is (a batch of 1 at 8.7k tokens keeps 68 programs busy instead of 1). A block maximum is
+written by exactly one program and max is exact, so the scores, hence the selection, do not depend on the split
+count. `_select_topk_kernel` (one program per row and index head) forces the local blocks in and takes the top-k
+by repeated arg-max, whose ties resolve to the lowest index as the reference's stable sort does, then emits the
+chosen ids in ascending order.
 """
 from __future__ import annotations
 
 import torch
 
+import triton
+import triton.language as tl
+
 from kernels._paged import gather_context, request_rows
+from kernels._triton import next_pow2, num_sms, runnable, use_triton
 
 
 def index_topk_ref(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -53,12 +65,137 @@ def select_topk_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
     return ids
 
 
+
+
+@triton.jit
+def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
+                         q_st_n, q_st_h, kc_st_p, kc_st_o, pt_st_r, sc_st_n, sc_st_h,
+                         num_splits,
+                         HI: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr,
+                         DOT_FP32: tl.constexpr):
+    # program (n, s): decode row n, blocks s, s + S, ... of its request; writes sc[n, :, b] for those blocks
+    n = tl.program_id(0)
+    s = tl.program_id(1)
+    req = tl.load(row_seq_ptr + n).to(tl.int64)
+    p = tl.load(pos_ptr + n).to(tl.int64)
+    nb = p // PS + 1
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, DI)
+    t = tl.arange(0, PS)
+    q = tl.load(q_ptr + n.to(tl.int64) * q_st_n + h[:, None] * q_st_h + d[None, :], mask=(h < HI)[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    for b in range(s, nb, num_splits):
+        page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
+        # K^T tile [DI, PS] of one page
+        kt = tl.load(kc_ptr + page * kc_st_p + t[None, :] * kc_st_o + d[:, None])
+        if DOT_FP32:
+            qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            qk = tl.dot(q, kt.to(q.dtype))
+        qk = tl.where((b * PS + t)[None, :] <= p, qk, float("-inf"))
+        tl.store(sc_ptr + n.to(tl.int64) * sc_st_n + h * sc_st_h + b, tl.max(qk, axis=1), mask=h < HI)
+
+
+@triton.jit
+def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks,
+                        PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (n, h): the top-k blocks of decode row n for index head h
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    p = tl.load(pos_ptr + n).to(tl.int64)
+    own = p // PS
+    b = tl.arange(0, BLOCK_NB)
+    sc = tl.load(sc_ptr + n * sc_st_n + h * sc_st_h + b, mask=b <= own, other=float("-inf"))
+    sc = tl.where((b >= own - local_blocks + 1) & (b <= own), float("inf"), sc)
+    chosen = b < 0
+    for _ in range(TOPK):
+        # arg-max with the lowest index among equal maxima (the reference's stable order)
+        _, idx = tl.max(sc, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        hit = (b == idx) & (sc > float("-inf"))  # the arg-max slot, if anything visible is left
+        chosen = chosen | hit
+        sc = tl.where(b == idx, float("-inf"), sc)
+    # the i-th chosen id in ascending block order goes to slot i; slots past the count get -1
+    rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    k = tl.arange(0, BLOCK_K)
+    match = (rank[None, :] == k[:, None]) & chosen[None, :]
+    ids = tl.sum(tl.where(match, b[None, :], 0), axis=1)
+    found = tl.sum(match.to(tl.int32), axis=1) > 0
+    ids = tl.where(found, ids, -1)
+    tl.store(out_ptr + n * out_st_n + h * out_st_h + k, ids.to(tl.int32), mask=k < TOPK)
+
+
+def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> int:
+    """Splits of the block axis so that rows * splits covers the SMs twice (capped by the blocks there are)."""
+    want = -(-2 * num_sms(device) // max(num_rows, 1))
+    return max(1, min(want, max_blocks))
+
+
+def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
+                      row_seq: torch.Tensor, positions: torch.Tensor, topk: int, local_blocks: int, *,
+                      out: torch.Tensor | None = None, num_kv_splits: int | None = None,
+                      scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton decode path for rows [0, N) of its inputs (any rows work; shapes as in `index_topk_ref`).
+
+    `out` [N, Hi, topk] int32 may be a view (the decode suffix of a mixed batch); `scores` [N, Hi, max_pages]
+    fp32 an optional scratch buffer (a graph-stable one). No host syncs, fixed grid for fixed shapes.
+    """
+    n, hi, di = q_idx.shape
+    ps = index_k_cache.shape[1]
+    max_pages = page_tables.shape[1]
+    if out is None:
+        out = torch.empty((n, hi, topk), dtype=torch.int32, device=q_idx.device)
+    if n == 0:
+        return out
+    if q_idx.stride(-1) != 1 or index_k_cache.stride(-1) != 1 or page_tables.stride(-1) != 1:
+        raise ValueError("index_topk: q_idx, index_k_cache and page_tables need a unit last stride")
+    if di & (di - 1) or ps & (ps - 1) or di < 16 or ps < 16:
+        raise ValueError(f"index_topk: index_head_dim {di} and page_size {ps} must be powers of two >= 16")
+    if scores is None:
+        scores = torch.empty((n, hi, max_pages), dtype=torch.float32, device=q_idx.device)
+    splits = num_kv_splits or default_kv_splits(n, max_pages, q_idx.device)
+    dot_fp32 = torch.float32 in (q_idx.dtype, index_k_cache.dtype)
+    dev = q_idx.device
+    runnable(_index_scores_kernel, dev)[(n, splits)](
+        q_idx, index_k_cache, page_tables, row_seq, positions, scores,
+        q_idx.stride(0), q_idx.stride(1), index_k_cache.stride(0), index_k_cache.stride(1), page_tables.stride(0),
+        scores.stride(0), scores.stride(1), splits,
+        HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, num_warps=4, num_stages=3)
+    runnable(_select_topk_kernel, dev)[(n, hi)](
+        scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
+        PS=ps, TOPK=topk, BLOCK_NB=max(16, next_pow2(max_pages)), BLOCK_K=max(16, next_pow2(topk)), num_warps=4)
+    return out
+
+
 def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor, row_seq: torch.Tensor,
-               positions: torch.Tensor, topk: int, local_blocks: int, *, num_prefill_rows: int = 0) -> torch.Tensor:
-    """Public launcher (torch reference until the Triton kernel lands). Rows [num_prefill_rows, N) are decode
-    rows (the batch suffix) and may take a dedicated decode kernel."""
+               positions: torch.Tensor, topk: int, local_blocks: int, *, num_prefill_rows: int = 0,
+               backend: str | None = None, num_kv_splits: int | None = None) -> torch.Tensor:
+    """Public launcher -> int32 [N, Hi, topk]. Rows [0, num_prefill_rows) (prefill chunks) take the reference
+    path; rows [num_prefill_rows, N) (decode rows, the batch suffix) take the Triton decode kernels when
+    `backend` resolves to Triton (None: on CUDA tensors; "triton" forces it, on CPU through the interpreter).
+    The decode span is a view of the inputs and of the output: nothing is copied."""
+    _check(q_idx, index_k_cache, page_tables, row_seq, positions, topk, num_prefill_rows)
+    if not use_triton(q_idx.device, backend):
+        return index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
+    n, hi, _ = q_idx.shape
+    npf = num_prefill_rows
+    out = torch.empty((n, hi, topk), dtype=torch.int32, device=q_idx.device)
+    if npf:
+        out[:npf] = index_topk_ref(q_idx[:npf], index_k_cache, page_tables, row_seq[:npf], positions[:npf], topk,
+                                   local_blocks)
+    index_topk_decode(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:], positions[npf:], topk, local_blocks,
+                      out=out[npf:], num_kv_splits=num_kv_splits)
+    return out
+
+
+def _check(q_idx, index_k_cache, page_tables, row_seq, positions, topk, num_prefill_rows) -> None:
     if q_idx.dim() != 3 or index_k_cache.dim() != 3 or q_idx.shape[-1] != index_k_cache.shape[-1]:
         raise ValueError(f"index_topk: q_idx {tuple(q_idx.shape)} / index_k_cache {tuple(index_k_cache.shape)}")
     if row_seq.shape != positions.shape or row_seq.shape[0] != q_idx.shape[0]:
         raise ValueError("index_topk: row_seq and positions must be [N] with N = q_idx.shape[0]")
-    return index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
+    if page_tables.dim() != 2 or page_tables.dtype != torch.int32 or row_seq.dtype != torch.int32:
+        raise ValueError("index_topk: page_tables [R, max_pages] and row_seq [N] must be int32")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"index_topk: positions must be int32/int64, got {positions.dtype}")
+    if topk < 1 or not 0 <= num_prefill_rows <= q_idx.shape[0]:
+        raise ValueError(f"index_topk: topk {topk} / num_prefill_rows {num_prefill_rows} out of range")
