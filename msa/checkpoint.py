@@ -107,9 +107,12 @@ def _attention_draws(c: M3Config, i: int) -> dict[str, _Draw]:
         "q": _Draw(p + "q_proj.weight", (c.num_attention_heads * d, h), in_std),
         "k": _Draw(p + "k_proj.weight", (c.num_key_value_heads * d, h), in_std),
         "v": _Draw(p + "v_proj.weight", (c.num_key_value_heads * d, h), in_std),
-        "o": _Draw(p + "o_proj.weight", (h, c.num_attention_heads * d), 1.0 / math.sqrt(c.num_attention_heads * d)),
-        "q_norm": _Draw(p + "q_norm.weight", (d,), _NORM_STD),
-        "k_norm": _Draw(p + "k_norm.weight", (d,), _NORM_STD),
+        # Attention averages many values, so o_proj is scaled up to keep its residual update comparable to the MLP's.
+        "o": _Draw(p + "o_proj.weight", (h, c.num_attention_heads * d), 2.5 / math.sqrt(c.num_attention_heads * d)),
+        # q/k norm weights around 0.5 (scale 1.5): logits q.k/sqrt(d) spread ~2, so attention is peaked enough
+        # that which blocks a sparse layer selects changes the output visibly.
+        "q_norm": _Draw(p + "q_norm.weight", (d,), _NORM_STD, mean=0.5),
+        "k_norm": _Draw(p + "k_norm.weight", (d,), _NORM_STD, mean=0.5),
     }
     if c.is_sparse(i):
         di = c.index_head_dim
@@ -129,7 +132,7 @@ def _swiglu_draws(c: M3Config, prefix: str, names: tuple[str, str, str], inter: 
     wide = (c.swiglu_limit / 3.0) / math.sqrt(h)
     gate = _Draw(prefix + names[0], (inter, h), wide)
     up = _Draw(prefix + names[1], (inter, h), wide)
-    down = _Draw(prefix + names[2], (h, inter), 0.25 / math.sqrt(inter))
+    down = _Draw(prefix + names[2], (h, inter), 0.2 / math.sqrt(inter))
     return gate, up, down
 
 
