@@ -4,12 +4,23 @@ Each row is one query token at absolute position p of request `row_seq[row]`; it
 j <= p (token-level causal mask), read from the paged caches through `page_tables`. For sparse layers it sees
 only keys in the blocks that its KV group selected (`block_ids` [N, Hkv, topk], ascending, -1 padded).
 The current step's K/V must already be in the cache (write first, then attend).
+
+Decode path (Triton): `_decode_attn_kernel` runs flash-decoding on a grid (decode rows, KV heads, splits); one
+program holds the G query heads of one KV group (they share every K/V tile, so a tile is read once for the group)
+and walks its share of the row's blocks: for sparse layers the selected ids i = s, s + S, ... of
+block_ids[row, kv_head] (ascending, -1 tail), for dense layers the blocks s, s + S, ... up to the row's own block.
+Keys past the row's position are masked token by token. With S > 1 each split leaves a normalised partial and
+its log-sum-exp; `_merge_kernel` combines them (a split with no block leaves lse = -inf and weighs nothing).
+With S = 1 the kernel writes the output directly.
 """
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels._paged import gather_context, request_rows
+from kernels._triton import next_pow2, num_sms, runnable, use_triton
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -57,18 +68,185 @@ def _check(q, k_cache, v_cache, row_seq, positions, block_ids) -> None:
         raise ValueError(f"attention: block_ids {tuple(block_ids.shape)} must be [N, Hkv, topk]")
 
 
-def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale, *, num_prefill_rows=0):
-    """Public launcher, dense causal (torch reference until the Triton kernels land).
 
-    Rows [0, num_prefill_rows) are prefill-chunk tokens, rows [num_prefill_rows, N) decode rows (the batch
-    suffix); a launcher may route the two spans to different kernels.
+
+@triton.jit
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid_ptr, o_ptr, po_ptr, plse_ptr,
+                        q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
+                        bid_st_n, bid_st_h, o_st_n, o_st_h, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h,
+                        qk_scale_log2, num_splits,
+                        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
+                        ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    req = tl.load(row_seq_ptr + n).to(tl.int64)
+    p = tl.load(pos_ptr + n).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    t = tl.arange(0, PS)
+    heads = kvh * G + g
+    q = tl.load(q_ptr + n * q_st_n + heads[:, None] * q_st_h + d[None, :], mask=(g < G)[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    if SPARSE:
+        # selected ids are ascending with a -1 tail: the first `count` entries are the blocks to read
+        kk = tl.arange(0, BLOCK_TOPK)
+        ids = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + kk, mask=kk < TOPK, other=-1)
+        count = tl.sum((ids >= 0).to(tl.int32), axis=0)
+    else:
+        count = p // PS + 1
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for i in range(s, count, num_splits):
+        if SPARSE:
+            b = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + i).to(tl.int64)
+        else:
+            b = i
+        page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
+        k = tl.load(kc_ptr + page * kc_st_p + t[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
+        v = tl.load(vc_ptr + page * vc_st_p + t[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
+        if DOT_FP32:
+            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+        qk = tl.where((b * PS + t)[None, :] <= p, qk * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        pr = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    # an empty split keeps l = 0: divide by 1 and report lse = -inf so the merge gives it no weight
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if ONE_SPLIT:
+        tl.store(o_ptr + n * o_st_n + heads[:, None] * o_st_h + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(g < G)[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(po_ptr + n * po_st_n + heads[:, None] * po_st_h + s * po_st_s + d[None, :], out,
+                 mask=(g < G)[:, None])
+        tl.store(plse_ptr + n * pl_st_n + heads * pl_st_h + s, lse, mask=g < G)
+
+
+@triton.jit
+def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h, o_st_n, o_st_h,
+                  num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # program (n, h): combine the split partials of one row and query head by their log-sum-exp (base 2)
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    lse = tl.load(plse_ptr + n * pl_st_n + h * pl_st_h + sp, mask=sp < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    part = tl.load(po_ptr + n * po_st_n + h * po_st_h + sp[:, None] * po_st_s + d[None, :],
+                   mask=(sp < num_splits)[:, None] & (lse > float("-inf"))[:, None], other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + n * o_st_n + h * o_st_h + d, out.to(o_ptr.dtype.element_ty))
+
+
+_LOG2E = 1.4426950408889634
+
+
+def default_attn_splits(num_rows: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
+    """Splits of the block axis so that rows * kv_heads * splits covers the SMs about twice."""
+    want = -(-2 * num_sms(device) // max(num_rows * num_kv_heads, 1))
+    return max(1, min(want, max_blocks))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
+                           row_seq: torch.Tensor, positions: torch.Tensor, scale: float,
+                           block_ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Triton flash-decoding for rows [0, N) of its inputs (shapes as in `paged_attention_ref`); dense when
+    block_ids is None. `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
+    n, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    if n == 0:
+        return out
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("page_tables", page_tables)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"attention: {name} needs a unit stride on its last dim, got {x.stride()}")
+    if d & (d - 1) or ps & (ps - 1) or d < 16 or ps < 16:
+        raise ValueError(f"attention: head_dim {d} and page_size {ps} must be powers of two >= 16")
+    group = hq // hkv
+    sparse = block_ids is not None
+    topk = block_ids.shape[-1] if sparse else 1
+    max_blocks = topk if sparse else page_tables.shape[1]
+    splits = num_splits or default_attn_splits(n, hkv, max_blocks, q.device)
+    splits = max(1, min(splits, max_blocks))
+    one = splits == 1
+    if one:
+        po = plse = out  # unused
+        po_st = (0, 0, 0)
+        pl_st = (0, 0)
+    else:
+        po = torch.empty((n, hq, splits, d), dtype=torch.float32, device=q.device)
+        plse = torch.empty((n, hq, splits), dtype=torch.float32, device=q.device)
+        po_st, pl_st = po.stride()[:3], plse.stride()[:2]
+    bid = block_ids if sparse else page_tables
+    bid_st = (block_ids.stride(0), block_ids.stride(1)) if sparse else (0, 0)
+    if sparse and block_ids.stride(-1) != 1:
+        raise ValueError("attention: block_ids needs a unit last stride")
+    dot_fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+    runnable(_decode_attn_kernel, q.device)[(n, hkv, splits)](
+        q, k_cache, v_cache, page_tables, row_seq, positions, bid, out, po, plse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
+        bid_st[0], bid_st[1], out.stride(0), out.stride(1), *po_st, *pl_st,
+        float(scale) * _LOG2E, splits,
+        G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
+        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, num_warps=4, num_stages=2)
+    if not one:
+        runnable(_merge_kernel, q.device)[(n, hq)](
+            po, plse, out, *po_st, *pl_st, out.stride(0), out.stride(1), splits,
+            D=d, BLOCK_S=max(2, next_pow2(splits)), num_warps=4)
+    return out
+
+
+def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
+           num_splits):
+    if not 0 <= num_prefill_rows <= q.shape[0]:
+        raise ValueError(f"attention: num_prefill_rows {num_prefill_rows} outside [0, {q.shape[0]}]")
+    if not use_triton(q.device, backend):
+        return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids)
+    npf = num_prefill_rows
+    out = torch.empty_like(q)
+    if npf:
+        out[:npf] = paged_attention_ref(q[:npf], k_cache, v_cache, page_tables, row_seq[:npf], positions[:npf],
+                                        scale, None if block_ids is None else block_ids[:npf])
+    paged_decode_attention(q[npf:], k_cache, v_cache, page_tables, row_seq[npf:], positions[npf:], scale,
+                           None if block_ids is None else block_ids[npf:], out=out[npf:], num_splits=num_splits)
+    return out
+
+
+def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale, *, num_prefill_rows=0,
+                    backend: str | None = None, num_splits: int | None = None):
+    """Public launcher, dense causal -> [N, Hq, D] in q's dtype.
+
+    Rows [0, num_prefill_rows) are prefill-chunk tokens and take the reference path (a prefill kernel is future
+    work); rows [num_prefill_rows, N) are decode rows (the batch suffix) and take the Triton decode kernel when
+    `backend` resolves to Triton (None: on CUDA tensors). The decode span is a view: nothing is copied.
     """
     _check(q, k_cache, v_cache, row_seq, positions, None)
-    return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale)
+    return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, None, num_prefill_rows, backend,
+                  num_splits)
 
 
 def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block_ids, scale, *,
-                     num_prefill_rows=0):
-    """Public launcher, MSA block-sparse (torch reference until the Triton kernels land); spans as above."""
+                     num_prefill_rows=0, backend: str | None = None, num_splits: int | None = None):
+    """Public launcher, MSA block-sparse over block_ids [N, Hkv, topk] (ascending, -1 tail); spans as above."""
     _check(q, k_cache, v_cache, row_seq, positions, block_ids)
-    return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids)
+    return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
+                  num_splits)
