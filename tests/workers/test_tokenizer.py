@@ -221,3 +221,48 @@ def test_chat_template_is_sandboxed_and_supports_hf_helpers(tmp_path):
         Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "a"}])
     (d / "chat_template.jinja").write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}")
     assert Tokenizer.from_dir(d).apply_chat_template([{"role": "user", "content": "a"}]) == "<a>"
+
+
+# --- the tokenizer the project's checkpoints ship (msa.checkpoint), checked against transformers -------------
+
+@pytest.fixture(scope="module")
+def checkpoint_tokenizer_dir(tmp_path_factory) -> Path:
+    from msa.checkpoint import write_tokenizer
+    from workers.models import preset_config
+
+    out = tmp_path_factory.mktemp("ckpt_tok")
+    config = preset_config("tiny")
+    write_tokenizer(config, out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": list(config.eos_token_id)}))
+    return out
+
+
+def test_checkpoint_tokenizer_matches_transformers(checkpoint_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from workers.models import preset_config
+
+    config = preset_config("tiny")
+    ours = Tokenizer.from_dir(checkpoint_tokenizer_dir)
+    ref = AutoTokenizer.from_pretrained(str(checkpoint_tokenizer_dir))
+    assert ours.vocab_size == config.vocab_size
+    assert ours.bos_token_id == config.bos_token_id
+    assert ours.eos_token_ids == tuple(config.eos_token_id)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Wie geht's? 你好 🙂"},
+        {"role": "assistant", "content": "Gut."},
+        {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "now?"}]},
+    ]
+    for gen in (True, False):
+        text = ours.apply_chat_template(messages, add_generation_prompt=gen)
+        assert text == ref.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+    sample = "Hello world! 机器学习 🚀 — def f(x): return x"
+    assert ours.encode(sample) == ref.encode(sample, add_special_tokens=False)
+    ids = ours.encode_chat(messages)
+    assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    # Streaming a completion on this tokenizer equals its full decode.
+    completion = ours.encode("Sure 🙂 机器 ok")
+    assert "".join(_stream(ours, completion, [1], prompt=ids)) == "Sure 🙂 机器 ok"
