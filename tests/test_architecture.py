@@ -1,0 +1,83 @@
+"""DESIGN.md §1 import direction, enforced by import-linter with the contracts in pyproject.toml.
+
+The real tree must pass; fixture trees with one forbidden import each must fail, naming the broken contract, so
+the check is shown to bite (a linter that never fails would pass the first test too).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = REPO / "pyproject.toml"
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+LAYERS = "Layers go one way: deploy -> workers -> msa -> kernels"
+DEPLOY_PAST_WORKERS = "deploy never reaches past workers"
+NO_FRAMEWORKS = "model and kernels stay free of serving frameworks"
+
+# A minimal tree that respects every contract: deploy -> workers -> msa -> kernels, externals only where allowed.
+CLEAN_TREE = {
+    "deploy/__init__.py": "",
+    "deploy/app.py": "import ray\nimport fastapi\nfrom workers import engine\n",
+    "workers/__init__.py": "",
+    "workers/engine.py": "import yaml\nfrom msa import model\n",
+    "msa/__init__.py": "",
+    "msa/model.py": "import torch\nfrom kernels import ops\n",
+    "kernels/__init__.py": "",
+    "kernels/ops.py": "import torch\n",
+}
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """Run lint-imports with the project's contracts on the packages under `root`."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo", str(PYPROJECT)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def make_tree(root: Path, extra: dict[str, str]) -> Path:
+    for rel, text in {**CLEAN_TREE, **extra}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def broken_contracts(output: str) -> set[str]:
+    return {name for name in (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS) if f"{name} BROKEN" in output}
+
+
+def test_real_tree_keeps_every_contract():
+    res = subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS):
+        assert f"{name} KEPT" in res.stdout
+
+
+def test_clean_fixture_tree_passes(tmp_path):
+    # The control for the cases below: the fixture tree itself (not the installed project) is what gets linted.
+    res = lint(make_tree(tmp_path, {}))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Contracts: 3 kept, 0 broken." in res.stdout
+
+
+@pytest.mark.parametrize("case,extra,contract", [
+    ("msa imports ray", {"msa/model.py": "import ray\nfrom kernels import ops\n"}, NO_FRAMEWORKS),
+    ("kernels imports yaml", {"kernels/ops.py": "import yaml\n"}, NO_FRAMEWORKS),
+    ("msa imports prometheus", {"msa/stats.py": "from prometheus_client import Counter\n"}, NO_FRAMEWORKS),
+    ("deploy imports msa", {"deploy/app.py": "from workers import engine\nfrom msa import model\n"},
+     DEPLOY_PAST_WORKERS),
+    ("deploy imports kernels", {"deploy/cli.py": "import kernels.ops\n"}, DEPLOY_PAST_WORKERS),
+    ("msa imports workers", {"msa/model.py": "from kernels import ops\nimport workers.engine\n"}, LAYERS),
+    ("kernels imports msa lazily", {"kernels/ops.py": "def f():\n    from msa import model\n"}, LAYERS),
+])
+def test_forbidden_import_fails_and_names_the_contract(tmp_path, case, extra, contract):
+    res = lint(make_tree(tmp_path, extra))
+    assert res.returncode != 0, f"{case}: lint-imports passed\n{res.stdout}"
+    assert contract in broken_contracts(res.stdout), f"{case}: expected {contract!r} broken\n{res.stdout}"
