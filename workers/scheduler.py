@@ -1,0 +1,372 @@
+"""Continuous-batching scheduler (pure Python): decides, each step, which tokens of which sequences to compute.
+
+One step's work is a list of *chunks*: a chunk is `num_tokens` new tokens of one sequence starting at `start`
+(the number of its tokens already in the KV cache). A running sequence still short of its known tokens (prompt,
+or prompt + outputs after a preemption) gets a prefill chunk as large as the step's token budget allows
+(chunked prefill: a long prompt spreads over steps and shares them with decode rows); a generating sequence gets a
+one-token decode chunk. The output lists prefill chunks first and decode chunks as the suffix (the model's
+`ChunkSpec` contract).
+
+Memory: pages come from `PageManager`. When a running sequence cannot get a page, the newest running sequence is
+preempted by recompute: its pages are released (its full pages stay in the prefix cache, so recompute is often
+cheap), and it goes back to the front of the waiting queue, keeping its generated tokens. Nobody fails for lack of
+memory; requests that could never fit the pool are refused at `add_request`.
+
+Stops: EOS (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, `max_model_len` are checked here; EOS and stop
+ids only once `min_tokens` tokens exist. Stop *strings* need text, so the engine checks them with its
+detokenizer and calls `finish()`.
+
+`n > 1`: the request's sample 0 runs first; when its prompt is computed, samples 1..n-1 are forked from it:
+they share its full prompt pages by reference and compute the partial last prompt page themselves (see
+`workers/pages.py` for why that beats copy-on-write), then sample independently.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence as Seq
+from dataclasses import dataclass, field
+
+from workers.config import EngineConfig
+from workers.pages import PageManager
+from workers.request import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    PENDING_FORK = "pending_fork"  # sample i > 0 waiting for sample 0's prompt
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One sample of one request: its tokens and how many of them are in the KV cache."""
+
+    __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
+                 "finish_reason", "stop_reason", "num_preemptions", "generator")
+
+    def __init__(self, seq_id: int, request: Request, index: int, status: SeqStatus) -> None:
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = status
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.generator = None  # the engine's per-sample RNG (torch.Generator) when seeded; opaque here
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, id={self.seq_id}, {self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+
+@dataclass(eq=False, kw_only=True)
+class Request:
+    """One client request: `n` samples of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # effective: params.max_tokens or what max_model_len leaves
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False
+    first_scheduled_time: float | None = None
+    prefix_cache_hit_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` new tokens of `seq` at positions start..start+num_tokens-1. `sample`: the chunk reaches the
+    sequence's last known token, so its logits give the next token (a partial prefill chunk's do not)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    is_decode: bool
+    sample: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # prefill chunks first, decode chunks last
+    preempted: list[Sequence]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateResult:
+    new_tokens: list[tuple[Sequence, int]]  # (seq, token) for every token appended this step
+    finished: list[Sequence]  # sequences that finished this step (pages already freed)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pages: PageManager, *, eos_token_ids: Iterable[int] = (),
+                 vocab_size: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.pages = pages
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the tail is the newest (first preempted)
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # cumulative
+        self._next_seq_id = 0
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request. Raises ValueError naming the field for a request that can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        prompt = [int(t) for t in prompt_token_ids]
+        max_tokens = self._validate(prompt, params)
+        req = Request(request_id=request_id, prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time)
+        for i in range(params.n):
+            seq = Sequence(self._next_seq_id, req, i, SeqStatus.WAITING if i == 0 else SeqStatus.PENDING_FORK)
+            self._next_seq_id += 1
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.waiting.append(req.seqs[0])
+        return req
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> int:
+        cfg = self.config
+        if not prompt:
+            raise ValueError("prompt_token_ids: the prompt is empty")
+        if self.vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) >= cfg.max_model_len:
+            raise ValueError(f"prompt_token_ids: the prompt has {len(prompt)} tokens, max_model_len is "
+                             f"{cfg.max_model_len} (room for at least one generated token is needed)")
+        pool_tokens = self.pages.num_pages * self.pages.page_size
+        if params.max_tokens is None:
+            # "As long as it takes": up to max_model_len, or what one sequence can hold in the whole pool.
+            max_tokens = max(min(cfg.max_model_len - len(prompt), pool_tokens - len(prompt) + 1), 1)
+        elif len(prompt) + params.max_tokens > cfg.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({cfg.max_model_len})")
+        else:
+            max_tokens = params.max_tokens
+        if params.n > cfg.max_num_seqs:
+            raise ValueError(f"n: {params.n} samples exceed max_num_seqs ({cfg.max_num_seqs})")
+        # The last generated token is never written to the cache, hence the -1.
+        need = self.pages.pages_for(len(prompt) + max_tokens - 1)
+        if need > self.pages.num_pages:
+            field_name = "prompt_token_ids" if self.pages.pages_for(len(prompt)) > self.pages.num_pages else "max_tokens"
+            raise ValueError(f"{field_name}: the request needs up to {need} KV pages, the pool has "
+                             f"{self.pages.num_pages}")
+        return max_tokens
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish every unfinished sample of the request with reason 'abort', freeing its pages. None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self._finish(seq, "abort", None)
+        return req
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence from outside (the engine, on a stop string). Frees its pages."""
+        if not seq.finished:
+            self._finish(seq, reason, stop_reason)
+            if seq.request.finished:
+                self.requests.pop(seq.request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- scheduling -------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks: running sequences first (oldest first), then new admissions if no one was
+        preempted this step. The token budget caps the step's total tokens."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Sequence] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._grow_or_preempt(seq, n, preempted):
+                break  # seq preempted itself: it was the newest, nothing after it
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            budget = self._admit(budget, chunks)
+
+        prefill = [c for c in chunks if not c.is_decode]
+        decode = [c for c in chunks if c.is_decode]
+        return SchedulerOutput(chunks=prefill + decode, preempted=preempted,
+                               num_prefill_tokens=sum(c.num_tokens for c in prefill), num_decode_tokens=len(decode))
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """Get pages for `n` more tokens of `seq`, preempting the newest running sequences until they fit.
+        False if `seq` itself had to go."""
+        while not self.pages.allocate(seq.seq_id, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Move waiting sequences to running, first come first served, while budget, seats and pages last."""
+        max_seqs = self.config.max_num_seqs
+        # Running sample-0 sequences hold seats for the samples they will fork.
+        seats_taken = sum(1 if q.index or q.request.forked else q.request.params.n for q in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            req = seq.request
+            seats = 1 if req.forked or seq.index > 0 else req.params.n
+            if seats_taken + seats > max_seqs:
+                break
+            hit = self.pages.find_cached_prefix(seq.token_ids)
+            n = min(seq.num_tokens - hit.num_tokens, budget)
+            if not self.pages.can_admit(hit.num_tokens + n, hit, ignore_watermark=not self.running):
+                break  # head-of-line: keep arrival order
+            self.waiting.popleft()
+            self.pages.admit(seq.seq_id, hit)
+            ok = self.pages.allocate(seq.seq_id, hit.num_tokens + n)
+            assert ok, "can_admit promised these pages"
+            seq.num_computed_tokens = hit.num_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seats_taken += seats
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = self.clock()
+                req.prefix_cache_hit_tokens = hit.num_tokens
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        return budget
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        sample = start + n == seq.num_tokens
+        is_decode = n == 1 and sample and seq.num_output_tokens > 0
+        return ScheduledChunk(seq, start, n, is_decode, sample)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pages.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)  # later preemptions are older sequences: they end up in front
+
+    # ---- after the step ---------------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled_token_ids: Seq[int | None]) -> UpdateResult:
+        """Account the computed chunks and append the sampled tokens (`sampled_token_ids[i]` for
+        `output.chunks[i]`; ignored where the chunk does not sample). Checks every stop but stop strings."""
+        new_tokens: list[tuple[Sequence, int]] = []
+        finished: list[Sequence] = []
+        for chunk, token in zip(output.chunks, sampled_token_ids, strict=True):
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted or finished since scheduling
+            seq.num_computed_tokens += chunk.num_tokens
+            self.pages.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            if token is None:
+                raise ValueError(f"no sampled token for {seq}")
+            seq.token_ids.append(int(token))
+            new_tokens.append((seq, int(token)))
+            req = seq.request
+            if seq.index == 0 and not req.forked and seq.num_output_tokens == 1:
+                self._fork(req)
+            stop = self._check_stop(seq, int(token))
+            if stop is not None:
+                self._finish(seq, *stop)
+                finished.append(seq)
+                if req.finished:
+                    self.requests.pop(req.request_id, None)
+        return UpdateResult(new_tokens=new_tokens, finished=finished)
+
+    def _fork(self, req: Request) -> None:
+        """Start samples 1..n-1 from sample 0's computed prompt: full pages shared, the tail recomputed."""
+        req.forked = True
+        parent = req.seqs[0]
+        shared = (parent.num_prompt_tokens - 1) // self.pages.page_size  # leave >= 1 token to compute for logits
+        for seq in req.seqs[1:]:
+            self.pages.share(seq.seq_id, parent.seq_id, shared)
+            seq.num_computed_tokens = shared * self.pages.page_size
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str, int | str | None] | None:
+        req = seq.request
+        n_out = seq.num_output_tokens
+        if n_out >= req.params.min_tokens:
+            if token in self.eos_token_ids and not req.params.ignore_eos:
+                return "stop", None
+            if token in req.params.stop_token_ids:
+                return "stop", token
+        if n_out >= req.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.pages.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
