@@ -1,0 +1,708 @@
+"""Ingress: the OpenAI-compatible HTTP API (FastAPI under Ray Serve).
+
+Everything that needs text happens here: auth, body validation, the chat template, tokenization, turning token
+deltas into OpenAI responses or SSE chunks, logprob formatting. Below this deployment there are only token ids.
+Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deploy.config import ServeConfig
+from deploy.protocol import (
+    ERROR_TYPES, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatDelta, ChatLogprobEntry, ChatLogprobs, ChatResponseMessage, CompletionChoice,
+    CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, EngineChunk, EngineError,
+    EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, TopLogprob, UsageInfo, new_id, param_of,
+    sse_event,
+)
+from workers.request import SamplingParams
+
+logger = logging.getLogger("m3serve.ingress")
+
+API_KEY_ENV = "M3SERVE_API_KEY"
+NOT_READY_RETRY_S = 5
+
+
+class ApiError(Exception):
+    """An error answered to the client as OpenAI error JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    @classmethod
+    def from_engine(cls, err: EngineError) -> "ApiError":
+        return cls(err.status, err.message, param=err.param, code=err.code, retry_after=err.retry_after)
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorBody(message=self.message, type=ERROR_TYPES.get(self.status, "error"),
+                                             param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status, headers=headers)
+
+
+app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3 on Ray Serve")
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic errors -> 400 naming the first offending field (`messages.0.role`), as OpenAI does."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # Union members show up in the location (`prompt.list[int].0`); keep the field path only.
+    loc = [x for x in loc if "[" not in x and x not in ("str", "int", "float", "bool")]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    message = f"{param}: {msg}" if param else msg
+    if first.get("type") == "json_invalid":
+        message = "request body is not valid JSON"
+    return ApiError(400, message, param=param, code="invalid_value").response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else "error"
+    if exc.status_code == 404:
+        message = "no such route"
+    return ApiError(exc.status_code, message).response()
+
+
+@app.exception_handler(Exception)
+async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error")  # the trace goes to the replica log, never to the client
+    return ApiError(500, f"internal error ({type(exc).__name__})", code="internal_error").response()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-choice accumulation and logprob formatting
+
+
+@dataclass
+class _Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class _TokenText:
+    """Token id -> display string for logprobs, cached (the same ids recur)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._tok.decode_token(token_id)
+            self._cache[token_id] = s
+        return s
+
+
+def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], top_n: int,
+                        text_of: Callable[[int], str], offset0: int = 0) -> CompletionLogprobs:
+    """OpenAI legacy logprobs for `token_ids`; a None entry (first prompt token) has no logprob."""
+    out = CompletionLogprobs()
+    offset = offset0
+    for tid, lp in zip(token_ids, logprobs):
+        s = text_of(tid)
+        out.tokens.append(s)
+        out.text_offset.append(offset)
+        offset += len(s)
+        if lp is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(lp.get(tid))
+        out.top_logprobs.append({text_of(t): v for t, v in _top(lp, top_n)})
+    return out
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top_n: int,
+                  text_of: Callable[[int], str]) -> ChatLogprobs:
+    entries = []
+    for tid, lp in zip(token_ids, logprobs):
+        s = text_of(tid)
+        tops = [TopLogprob(token=text_of(t), logprob=v, bytes=list(text_of(t).encode("utf-8")))
+                for t, v in _top(lp, top_n)]
+        entries.append(ChatLogprobEntry(token=s, logprob=lp.get(tid, float("-inf")), bytes=list(s.encode("utf-8")),
+                                        top_logprobs=tops))
+    return ChatLogprobs(content=entries)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prepared requests
+
+
+@dataclass
+class _Prepared:
+    """A validated request: one engine request per prompt, plus what the response needs."""
+
+    id: str
+    model: str
+    prompts: list[list[int]]
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool = False
+    continuous_usage: bool = False
+    return_token_ids: bool = False
+    echo: bool = False
+    top_n: int | None = None  # logprobs requested (top-N); None = no logprobs
+
+    def engine_requests(self) -> list[EngineRequest]:
+        return [EngineRequest(request_id=f"{self.id}-{i}", prompt_token_ids=ids, params=self.params, prompt=text)
+                for i, (ids, text) in enumerate(zip(self.prompts, self.prompt_texts))]
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _build_params(body: Any, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    given = {
+        "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+    }
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    try:
+        return SamplingParams(
+            n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens, seed=body.seed,
+            stop=_stop_strings(body.stop), stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **kwargs)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=param_of(str(e)), code="invalid_value") from None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The deployment
+
+
+@serve.deployment(max_ongoing_requests=4096)
+@serve.ingress(app)
+class Ingress:
+    def __init__(self, router: DeploymentHandle, config: ServeConfig, model_dir: str, model_name: str) -> None:
+        self._router = router
+        self._config = config
+        self._model_dir = model_dir
+        self._model_name = model_name
+        self._api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+        self._max_model_len = config.engine.max_model_len
+        self._ready = False
+        self._tokenizer = None
+        self._tokenizer_error: str | None = None
+        try:
+            from workers.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(model_dir)
+            self._text_of = _TokenText(self._tokenizer)
+        except Exception as e:  # served as 503 with the reason, not a crash loop
+            logger.exception("tokenizer failed to load from %s", model_dir)
+            self._tokenizer_error = f"{type(e).__name__}: {e}"
+
+    # -- common checks --------------------------------------------------------------------------------------
+    def _check_auth(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
+            raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def _readiness(self) -> dict:
+        if self._tokenizer_error is not None:
+            return {"ready": False, "error": f"tokenizer failed to load: {self._tokenizer_error}", "engines": []}
+        if self._ready:
+            return {"ready": True, "engines": []}
+        try:
+            state = await self._router.ready.remote()
+        except Exception as e:
+            return {"ready": False, "error": f"router unreachable ({type(e).__name__})", "engines": []}
+        if state["ready"]:
+            self._ready = True
+            lens = [e.get("max_model_len") for e in state["engines"] if e.get("max_model_len")]
+            if lens:
+                self._max_model_len = min(lens)
+        return state
+
+    async def _check_ready(self) -> None:
+        state = await self._readiness()
+        if not state["ready"]:
+            raise ApiError(503, _not_ready_message(state), code="not_ready", retry_after=NOT_READY_RETRY_S)
+
+    def _check_model(self, model: str | None) -> str:
+        if model is not None and model != self._model_name:
+            raise ApiError(404, f"model: the model '{model}' does not exist (this server has "
+                                f"'{self._model_name}')", param="model", code="model_not_found")
+        return self._model_name
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, field_name: str, max_name: str) -> int:
+        """Validate one prompt's ids against the vocab and max_model_len; returns the effective max_tokens."""
+        if not ids:
+            raise ApiError(400, f"{field_name}: the prompt is empty", param=field_name, code="invalid_value")
+        vocab = self._tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{field_name}: token id {bad} is outside the vocabulary [0, {vocab})",
+                           param=field_name, code="invalid_value")
+        limit = self._max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"{field_name}: the prompt has {len(ids)} tokens; this model's maximum context "
+                                f"length is {limit} tokens, including at least one generated token",
+                           param=field_name, code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - len(ids)
+        if max_tokens < 1:
+            raise ApiError(400, f"{max_name}: must be >= 1, got {max_tokens}", param=max_name, code="invalid_value")
+        if len(ids) + max_tokens > limit:
+            raise ApiError(400, f"{max_name}: the prompt has {len(ids)} tokens and {max_name} is {max_tokens}; "
+                                f"together they exceed this model's maximum context length of {limit} tokens",
+                           param=max_name, code="context_length_exceeded")
+        return max_tokens
+
+    @staticmethod
+    def _check_common(body: Any) -> None:
+        if body.logit_bias:
+            raise ApiError(400, "logit_bias: not supported", param="logit_bias", code="unsupported")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: only allowed when stream is true", param="stream_options",
+                           code="invalid_value")
+
+    # -- routes ---------------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> JSONResponse:
+        state = await self._readiness()
+        if state["ready"]:
+            return JSONResponse({"status": "ok", "model": self._model_name})
+        return ApiError(503, _not_ready_message(state), code="not_ready", retry_after=NOT_READY_RETRY_S).response()
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._check_auth(request)
+        card = ModelCard(id=self._model_name, root=self._model_dir, max_model_len=self._max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        # Placeholder exposition of this replica's registry; the metrics issue (deploy/metrics.py) exports
+        # every replica's metrics through Ray's metrics port.
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/stats")
+    async def admin_stats(self, request: Request) -> JSONResponse:
+        """Every engine replica's stats (pages, queues): for operators and for the leak checks of the tests."""
+        self._check_auth(request)
+        rows = await self._router.stats.remote()
+        out = []
+        for row in rows:
+            s = row["stats"]
+            out.append({"role": row["role"], "replica": row["replica"], "inflight": row["inflight"],
+                        "stats": None if s is None else {**vars(s), "kv_cache_usage": s.kv_cache_usage}})
+        return JSONResponse({"engines": out})
+
+    @app.post("/v1/completions")
+    async def completions(self, body: CompletionRequest, request: Request):
+        self._check_auth(request)
+        model = self._check_model(body.model)
+        await self._check_ready()
+        prep = self._prepare_completion(body, model)
+        streams = await self._start(prep)
+        if prep.stream:
+            return self._sse(self._completion_events(prep, streams))
+        choices = await self._collect(prep, streams)
+        return JSONResponse(self._completion_response(prep, choices, streams).model_dump(mode="json"))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        self._check_auth(request)
+        model = self._check_model(body.model)
+        await self._check_ready()
+        prep = self._prepare_chat(body, model)
+        streams = await self._start(prep)
+        if prep.stream:
+            return self._sse(self._chat_events(prep, streams))
+        choices = await self._collect(prep, streams)
+        return JSONResponse(self._chat_response(prep, choices).model_dump(mode="json"))
+
+    # -- preparing ------------------------------------------------------------------------------------------
+    def _prepare_completion(self, body: CompletionRequest, model: str) -> _Prepared:
+        self._check_common(body)
+        if body.suffix is not None:
+            raise ApiError(400, "suffix: not supported", param="suffix", code="unsupported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise ApiError(400, "best_of: only best_of == n is supported", param="best_of", code="unsupported")
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            raw: list[str | list[int]] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            raw = [list(prompt)]
+        else:
+            raw = list(prompt)
+        if not raw:
+            raise ApiError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        ids_list, texts = [], []
+        max_tokens = body.max_tokens
+        for item in raw:
+            if isinstance(item, str):
+                ids = self._tokenizer.encode(item, add_special_tokens=True)
+                texts.append(item)
+            else:
+                ids = list(item)
+                texts.append(None)
+            ids_list.append(ids)
+        effective = [self._check_prompt(ids, max_tokens, "prompt", "max_tokens") for ids in ids_list]
+        params = _build_params(body, max_tokens=min(effective), logprobs=body.logprobs,
+                               prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+        # One max_tokens for all prompts when the client gave none: the tightest prompt's room. A client that
+        # sets max_tokens gets exactly it (validated above for each prompt).
+        return _Prepared(id=new_id("cmpl"), model=model, prompts=ids_list, prompt_texts=texts, params=params,
+                         stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+                         return_token_ids=body.return_token_ids, echo=body.echo, top_n=body.logprobs)
+
+    def _prepare_chat(self, body: ChatCompletionRequest, model: str) -> _Prepared:
+        self._check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs",
+                           code="invalid_value")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise ApiError(400, f"top_logprobs: must be in [0, 20], got {body.top_logprobs}", param="top_logprobs",
+                           code="invalid_value")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:  # jinja2 template errors (e.g. roles out of order) are the client's to fix
+            raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages",
+                           code="invalid_value") from None
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self._check_prompt(ids, requested, "messages", max_name)
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        params = _build_params(body, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=None)
+        return _Prepared(id=new_id("chatcmpl"), model=model, prompts=[ids], prompt_texts=[text], params=params,
+                         stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+                         return_token_ids=body.return_token_ids, top_n=top_n)
+
+    # -- talking to the router ------------------------------------------------------------------------------
+    async def _start(self, prep: _Prepared) -> list[_Stream]:
+        """Send every prompt to the router and wait for each one's first event, so that a refusal (400, 429,
+        503) becomes the HTTP status before any byte of a stream is sent."""
+        streams = [_Stream(self._router.options(stream=True).generate.remote(r)) for r in prep.engine_requests()]
+        await asyncio.gather(*(s.receive_first() for s in streams))
+        errors = [s.first for s in streams if isinstance(s.first, (EngineError, BaseException))]
+        if not errors:
+            return streams
+        for s in streams:
+            s.close()
+        # A refusal from an engine says more than a transport failure of another prompt's request.
+        engine_error = next((e for e in errors if isinstance(e, EngineError)), None)
+        if engine_error is not None:
+            raise ApiError.from_engine(engine_error)
+        logger.error("engine call failed: %r", errors[0])
+        raise ApiError(503, f"engine unavailable ({type(errors[0]).__name__})", code="engine_unavailable",
+                       retry_after=NOT_READY_RETRY_S)
+
+    async def _collect(self, prep: _Prepared, streams: list[_Stream]) -> list[list[_Choice]]:
+        """Run every stream to its end: per prompt, its choices."""
+        async def one(stream: _Stream) -> list[_Choice]:
+            choices = [_Choice(index=i) for i in range(prep.params.n)]
+            async for chunk in stream.chunks():
+                _apply(choices, chunk)
+            return choices
+
+        try:
+            return list(await asyncio.gather(*(one(s) for s in streams)))
+        except ApiError:
+            raise
+        except Exception as e:
+            logger.error("engine stream failed: %r", e)
+            raise ApiError(503, f"engine failed mid-request ({type(e).__name__})", code="engine_unavailable") from None
+        finally:
+            for s in streams:
+                s.close()
+
+    # -- responses ------------------------------------------------------------------------------------------
+    def _completion_response(self, prep: _Prepared, per_prompt: list[list[_Choice]],
+                             streams: list[_Stream]) -> CompletionResponse:
+        out, completion_tokens = [], 0
+        prompt_tokens = sum(len(p) for p in prep.prompts)
+        for p, (choices, stream) in enumerate(zip(per_prompt, streams)):
+            prompt_ids = prep.prompts[p]
+            prefix, lp_prefix_ids, lp_prefix = self._echo_prefix(prep, p, stream.first)
+            for c in choices:
+                completion_tokens += len(c.token_ids)
+                logprobs = None
+                if prep.top_n is not None:
+                    logprobs = completion_logprobs(lp_prefix_ids + c.token_ids, lp_prefix + c.logprobs, prep.top_n,
+                                                   self._text_of)
+                out.append(CompletionChoice(
+                    index=p * prep.params.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if prep.return_token_ids else None,
+                    prompt_token_ids=prompt_ids if prep.return_token_ids else None))
+        return CompletionResponse(id=prep.id, model=prep.model, choices=out,
+                                  usage=_usage(prompt_tokens, completion_tokens))
+
+    def _echo_prefix(self, prep: _Prepared, p: int, first: EngineChunk) -> tuple[str, list[int], list]:
+        """With `echo`: the prompt text, and the prompt tokens with their logprobs to lead the logprobs lists."""
+        if not prep.echo:
+            return "", [], []
+        ids = prep.prompts[p]
+        text = prep.prompt_texts[p]
+        if text is None:
+            text = self._tokenizer.decode(ids, skip_special_tokens=False)
+        plp = first.prompt_logprobs
+        if plp is None or len(plp) != len(ids):
+            plp = [None] * len(ids)
+        return text, list(ids), list(plp)
+
+    def _chat_response(self, prep: _Prepared, per_prompt: list[list[_Choice]]) -> ChatCompletionResponse:
+        choices = per_prompt[0]
+        out = []
+        for c in choices:
+            logprobs = None
+            if prep.top_n is not None:
+                logprobs = chat_logprobs(c.token_ids, c.logprobs, prep.top_n, self._text_of)
+            out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                  token_ids=c.token_ids if prep.return_token_ids else None))
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return ChatCompletionResponse(id=prep.id, model=prep.model, choices=out,
+                                      usage=_usage(len(prep.prompts[0]), completion_tokens),
+                                      prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None)
+
+    # -- streaming ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(_guarded(events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _completion_events(self, prep: _Prepared, streams) -> AsyncIterator[str]:
+        n = prep.params.n
+        prompt_tokens = sum(len(p) for p in prep.prompts)
+        generated = 0
+        started: set[int] = set()
+        async for p, chunk in _merge(streams):
+            for s in chunk.samples:
+                index = p * n + s.index
+                text, lp_ids, lp = s.text, list(s.token_ids), list(s.logprobs or [])
+                first_of_choice = index not in started
+                started.add(index)
+                if first_of_choice and prep.echo:
+                    prefix, pre_ids, pre_lp = self._echo_prefix(prep, p, streams[p].first)
+                    text, lp_ids, lp = prefix + text, pre_ids + lp_ids, pre_lp + lp
+                generated += len(s.token_ids)
+                logprobs = None
+                if prep.top_n is not None:
+                    logprobs = completion_logprobs(lp_ids, lp, prep.top_n, self._text_of)
+                choice = CompletionChoice(
+                    index=index, text=text, logprobs=logprobs, finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason, token_ids=s.token_ids if prep.return_token_ids else None,
+                    prompt_token_ids=prep.prompts[p] if prep.return_token_ids and first_of_choice else None)
+                usage = _usage(prompt_tokens, generated) if prep.continuous_usage and prep.include_usage else None
+                yield sse_event(CompletionChunk(id=prep.id, model=prep.model, choices=[choice], usage=usage))
+        if prep.include_usage:
+            yield sse_event(CompletionChunk(id=prep.id, model=prep.model, choices=[],
+                                            usage=_usage(prompt_tokens, generated)))
+        yield SSE_DONE
+
+    async def _chat_events(self, prep: _Prepared, streams) -> AsyncIterator[str]:
+        prompt_tokens = len(prep.prompts[0])
+        generated = 0
+        # OpenAI opens each choice with the assistant role and empty content.
+        opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                   for i in range(prep.params.n)]
+        yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=opening,
+                                            prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None))
+        async for _, chunk in _merge(streams):
+            for s in chunk.samples:
+                generated += len(s.token_ids)
+                logprobs = None
+                if prep.top_n is not None:
+                    logprobs = chat_logprobs(s.token_ids, s.logprobs or [], prep.top_n, self._text_of)
+                choice = ChatChunkChoice(index=s.index, delta=ChatDelta(content=s.text), logprobs=logprobs,
+                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                         token_ids=s.token_ids if prep.return_token_ids else None)
+                usage = _usage(prompt_tokens, generated) if prep.continuous_usage and prep.include_usage else None
+                yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=[choice], usage=usage))
+        if prep.include_usage:
+            yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=[],
+                                                usage=_usage(prompt_tokens, generated)))
+        yield SSE_DONE
+
+
+def _not_ready_message(state: dict) -> str:
+    if state.get("error"):
+        return f"not ready: {state['error']}"
+    failed = [e for e in state.get("engines", []) if e.get("state") == "failed"]
+    if failed:
+        return f"not ready: engine {failed[0]['role']}-{failed[0]['replica']} failed to load: {failed[0]['error']}"
+    loading = [e for e in state.get("engines", []) if not e.get("ready")]
+    return f"not ready: {len(loading)} engine replica(s) still loading"
+
+
+class _Stream:
+    """One engine request's event stream through the router, with its first event already received."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.first: EngineChunk | EngineError | BaseException | None = None
+        self.done = False
+
+    async def receive_first(self) -> None:
+        try:
+            self.first = await self.gen.__anext__()
+        except StopAsyncIteration:
+            self.first = EngineError(status=500, message="the engine ended the request without output",
+                                     code="internal_error")
+        except Exception as e:  # the router or an engine replica is gone
+            self.first = e
+
+    async def chunks(self) -> AsyncIterator[EngineChunk]:
+        """The first chunk, then the rest until the request finishes; an error event raises ApiError."""
+        event = self.first
+        while True:
+            if isinstance(event, EngineError):
+                self.done = True
+                raise ApiError.from_engine(event)
+            yield event
+            if event.finished:
+                self.done = True
+                return
+            try:
+                event = await self.gen.__anext__()
+            except StopAsyncIteration:
+                self.done = True
+                return
+
+    def close(self) -> None:
+        """Cancel the request down the chain (router -> engine abort) unless it already ended."""
+        if not self.done:
+            self.done = True
+            self.gen.cancel()
+
+
+def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
+    for s in chunk.samples:
+        c = choices[s.index]
+        c.token_ids.extend(s.token_ids)
+        c.text += s.text
+        if s.logprobs:
+            c.logprobs.extend(s.logprobs)
+        if s.finish_reason is not None:
+            c.finish_reason, c.stop_reason = s.finish_reason, s.stop_reason
+
+
+async def _merge(streams: list[_Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of several requests as they arrive, tagged with the prompt index. Leaving early (client gone)
+    cancels every request still running."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0].chunks():
+                yield 0, chunk
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(p: int, stream: _Stream) -> None:
+        try:
+            async for chunk in stream.chunks():
+                await queue.put((p, chunk))
+        except Exception as e:  # handed to the consumer, which re-raises
+            await queue.put((p, e))
+        finally:
+            await queue.put((p, done_marker))
+
+    tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            p, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield p, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body that never dies mid-flight with a trace: a failure becomes an OpenAI error event + [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as e:
+        yield sse_event(e.body())
+        yield SSE_DONE
+    except Exception as e:
+        logger.error("stream failed: %r", e)
+        yield sse_event(ApiError(500, f"the stream failed ({type(e).__name__})", code="internal_error").body())
+        yield SSE_DONE
+
+
+TINY_MODEL_NAME = "m3-tiny"
+
+
+def model_name_for(config: ServeConfig, model_dir: str | Path) -> str:
+    """The name clients pass as `model`: `config.model_name`, else the checkpoint directory's name (the built-in
+    tiny model's cache directory carries a hash, so it is called `m3-tiny`)."""
+    if config.model_name:
+        return config.model_name
+    return TINY_MODEL_NAME if config.model is None else Path(model_dir).name

@@ -1,0 +1,337 @@
+"""Wire types: the OpenAI-compatible HTTP schemas (pydantic) and the plain messages between deployments.
+
+HTTP request bodies are validated here; numeric ranges of sampling fields are checked once, by
+`workers.request.SamplingParams`, whose errors already name the field. Unknown body fields are rejected (400
+naming the field) rather than silently ignored, except a few harmless OpenAI fields listed explicitly.
+
+Below the ingress everything is token ids: `EngineRequest` goes down, `EngineChunk` (token/text deltas) or
+`EngineError` comes back up through the router. Those are dataclasses, not pydantic: they never touch HTTP.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from workers.request import SamplingParams
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorBody
+
+
+# HTTP status -> OpenAI error `type`, as OpenAI's API names them.
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Requests
+
+
+class _Body(BaseModel):
+    # Reject unknown fields so a typo (`max_token`) is a 400 naming it, not a silent default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class _SamplingFields(_Body):
+    """Sampling fields common to both endpoints (OpenAI's, plus vLLM's usual extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False  # vLLM: choices carry `token_ids`, and `prompt_token_ids` is returned
+    user: str | None = None  # accepted for compatibility; not used
+    logit_bias: dict[str, float] | None = None  # only empty/None is supported (checked by the ingress)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of strings, a token-id list, or a list of token-id lists."""
+
+    prompt: Union[list[list[int]], list[int], list[str], str]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # top-N logprobs per token (OpenAI allows 0..5; we allow up to 20)
+    echo: bool = False
+    suffix: str | None = None  # not supported unless None
+    best_of: int | None = None  # only == n (or None) is supported
+
+
+class TextContentPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions. `max_completion_tokens` wins over the deprecated `max_tokens`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM extra: render the assistant prefix after the last message
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists over the choice's tokens."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprobEntry] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionChunk(BaseModel):
+    """A streamed completions event: same object name as the full response, as OpenAI sends it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "m3serve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def sse_event(payload: BaseModel | str) -> str:
+    """One server-sent event: `data: <json>\\n\\n` (or the literal `[DONE]` terminator)."""
+    body = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = sse_event("[DONE]")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Messages between deployments (ingress -> router -> engine server and back). Plain dataclasses, pickled by Ray.
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    """One prompt's generation, as token ids. `n` samples are in `params.n`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+@dataclass(kw_only=True)
+class SampleDelta:
+    """What one sample (choice) gained since the previous chunk."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None  # one dict per new token: token id -> logprob
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(kw_only=True)
+class EngineChunk:
+    """One step's progress of one request. The first chunk also carries the prompt (ids, prompt logprobs)."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool = False
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineError:
+    """A request the engine refused or failed; the ingress turns it into an OpenAI error with this status."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after: float | None = None  # seconds, for 429/503
+
+
+EngineEvent = Union[EngineChunk, EngineError]
+
+
+def param_of(message: str) -> str | None:
+    """The field a `"field: why"` validation message names (SamplingParams/Engine style), else None."""
+    head, sep, _ = message.partition(":")
+    if sep and head and " " not in head.strip():
+        return head.strip()
+    return None
+
+
+def as_dict(obj: Any) -> Any:
+    """pydantic model -> JSON-able dict (for JSONResponse)."""
+    return obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj

@@ -1,0 +1,200 @@
+"""`m3serve serve`: start (or join) Ray, deploy `build_app`, show loading progress, serve until SIGINT/SIGTERM.
+
+Without `--model` it serves the built-in tiny model (written into the cache on first use). `--config` takes a
+serve YAML (`configs/serve/*.yaml` or any path); flags given explicitly override it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+APP_NAME = "m3serve"
+# A local cluster for one machine: the object store only carries small messages (token ids, deltas).
+LOCAL_OBJECT_STORE_BYTES = 512 * 2**20
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Every default is None so "not given" is distinguishable: only given flags override --config.
+    add = parser.add_argument
+    add("--config", help="serve YAML (e.g. configs/serve/cpu-local.yaml); flags below override it")
+    add("--model", help="checkpoint directory (default: the built-in tiny model)")
+    add("--model-name", help="name clients pass as `model` (default: the directory name, or m3-tiny)")
+    add("--device", choices=("cpu", "cuda"), help="where the engines run (default: cpu)")
+    add("--host", help="HTTP host (default: 127.0.0.1)")
+    add("--port", type=int, help="HTTP port (default: 8000)")
+    add("--tp", type=int, help="tensor-parallel size of each engine replica")
+    add("--ep", type=int, help="expert-parallel size of each engine replica")
+    add("--dp", type=int, help="attention-data-parallel size of each engine replica")
+    add("--replicas", type=int, help="engine replicas")
+    add("--max-model-len", type=int, help="longest prompt + completion, in tokens")
+    add("--max-num-seqs", type=int, help="requests batched together per engine")
+    add("--max-waiting", type=int, help="waiting-queue bound per engine; beyond it the server answers 429")
+    add("--api-key", help=f"require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
+    add("--address", help="join this Ray cluster instead of starting a local one (e.g. auto, 10.0.0.1:6379)")
+    add("--num-cpus", type=float, help="CPUs of the local Ray instance (default: all)")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that were given, as nested ServeConfig overrides."""
+    out: dict[str, Any] = {}
+
+    def put(path: str, value: Any) -> None:
+        if value is None:
+            return
+        node = out
+        *heads, last = path.split(".")
+        for h in heads:
+            node = node.setdefault(h, {})
+        node[last] = value
+
+    put("model", args.model)
+    put("model_name", args.model_name)
+    put("device", args.device)
+    put("api_key", args.api_key)
+    put("http.host", args.host)
+    put("http.port", args.port)
+    put("unified.tp", args.tp)
+    put("unified.ep", args.ep)
+    put("unified.dp", args.dp)
+    put("unified.replicas", args.replicas)
+    put("engine.max_model_len", args.max_model_len)
+    put("engine.max_num_seqs", args.max_num_seqs)
+    put("engine.max_waiting", args.max_waiting)
+    return out
+
+
+def _say(msg: str) -> None:
+    print(f"m3serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _start_ray(args: argparse.Namespace, host: str) -> None:
+    import ray
+
+    # No usage reports from a serving box; loopback-only clusters stay on 127.0.0.1 (see docs/operations.md).
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if args.address:
+        ray.init(address=args.address, log_to_driver=False)
+        return
+    if host in LOOPBACK:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", num_cpus=args.num_cpus or os.cpu_count(), include_dashboard=False,
+             object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
+
+
+def _wait_ready(router: Any, stop: threading.Event) -> dict:
+    """Poll the engines' load state with a progress bar until all are ready, one failed, or we are stopped."""
+    from tqdm import tqdm
+
+    state = router.ready.remote().result()
+    total = len(state["engines"])
+    start = time.monotonic()
+    with tqdm(total=total, desc="loading engines", unit="replica", file=sys.stderr,
+              bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}") as bar:
+        while not stop.is_set():
+            done = sum(e["ready"] for e in state["engines"])
+            bar.n = done
+            loading = [e for e in state["engines"] if not e["ready"]]
+            bar.set_postfix_str(", ".join(f"{e['role']}-{e['replica']}: {e['state']}" for e in loading[:3]))
+            bar.refresh()
+            if state["ready"] or any(e["state"] in ("failed", "unreachable") for e in state["engines"]):
+                break
+            stop.wait(0.5)
+            state = router.ready.remote().result()
+    state["seconds"] = time.monotonic() - start
+    return state
+
+
+def usage_text(base: str, model: str, api_key: bool) -> str:
+    key = "$M3SERVE_API_KEY" if api_key else "EMPTY"
+    auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
+    return (
+        f"serving '{model}' at {base}/v1 (health: {base}/health)\n"
+        f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
+        f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+        f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
+        f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}]))\"\n"
+        f"Ctrl-C stops the server."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from deploy.app import build_app, config_from_args
+    from deploy.config import ConfigError
+    from deploy.ingress import model_name_for
+    from deploy.server import resolve_model_dir
+
+    build_args = {"config_file": args.config, "overrides": overrides_from_args(args)}
+    try:
+        config = config_from_args(build_args)
+        if config.model is None:
+            _say("preparing the built-in tiny model (written once into the cache)")
+        model_dir = resolve_model_dir(config)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        _say(f"error: {e}")
+        return 2
+
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum, _frame) -> None:
+        if stop.is_set():  # a second Ctrl-C: give up waiting for a graceful shutdown
+            raise KeyboardInterrupt
+        _say(f"{signal.Signals(signum).name}: shutting down")
+        stop.set()
+
+    import ray
+    from ray import serve
+
+    host, port = config.http.host, config.http.port
+    _say(f"starting Ray ({'joining ' + args.address if args.address else 'local instance'})")
+    _start_ray(args, host)
+    for sig in previous:
+        signal.signal(sig, on_signal)
+    code = 0
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
+        _say(f"deploying {model_dir} on {config.device}")
+        app = build_app(build_args)
+        serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
+        router = serve.get_deployment_handle("Router", app_name=APP_NAME)
+        state = _wait_ready(router, stop)
+        if stop.is_set():
+            return 0
+        if not state["ready"]:
+            bad = next(e for e in state["engines"] if not e["ready"])
+            _say(f"error: engine {bad['role']}-{bad['replica']} {bad['state']}: {bad.get('error')}")
+            return 1
+        _say(f"ready in {state['seconds']:.1f} s")
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        api_key = config.api_key or os.environ.get("M3SERVE_API_KEY")
+        print(usage_text(f"http://{shown_host}:{port}", model_name_for(config, model_dir), bool(api_key)),
+              flush=True)
+        stop.wait()
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _shutdown(args)
+    return code
+
+
+def _shutdown(args: argparse.Namespace) -> None:
+    import ray
+    from ray import serve
+
+    try:
+        if args.address:
+            serve.delete(APP_NAME)  # a shared cluster: remove only our app
+        else:
+            serve.shutdown()
+    except Exception as e:  # best effort; ray.shutdown below ends the local instance anyway
+        _say(f"serve shutdown: {type(e).__name__}: {e}")
+    ray.shutdown()
+    _say("stopped")

@@ -1,0 +1,191 @@
+"""EngineServer: the Serve deployment that owns one engine (one model instance, one worker group).
+
+The engine loads in a background thread so the replica comes up at once and reports `loading` until the
+weights are in; the ingress answers 503 until every engine is ready (and keeps answering 503, with the reason,
+if a load failed). `generate` turns the engine's cumulative outputs into deltas, so what crosses the Serve hop per
+step is the new tokens only, and turns refusals (bad request, queue full) into `EngineError` events instead of
+exceptions: an exception crossing Ray loses its type in ways the ingress should not have to guess at.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+from ray import serve
+
+from deploy.config import ServeConfig
+from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, SampleDelta, param_of
+from workers.config import Role
+from workers.request import RequestOutput
+from workers.stats import EngineStats, RequestStats
+
+logger = logging.getLogger("m3serve.server")
+
+RETRY_AFTER_QUEUE_FULL_S = 1.0
+
+
+def resolve_model_dir(config: ServeConfig) -> Path:
+    """The checkpoint directory to serve: `config.model`, else the built-in tiny model (written on first use)."""
+    if config.model is not None:
+        path = Path(config.model).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"model: no such directory: {path}")
+        return path.resolve()
+    from workers.models import tiny_model_dir
+
+    return Path(tiny_model_dir())
+
+
+class _DeltaTracker:
+    """Remembers what was already sent per sample, to turn cumulative `RequestOutput`s into `EngineChunk`s."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, int] = {}
+        self._text: dict[int, int] = {}
+        self._done: set[int] = set()
+        self._first = True
+
+    def chunk(self, out: RequestOutput) -> EngineChunk | None:
+        samples = []
+        for comp in out.outputs:
+            if comp.index in self._done:
+                continue
+            n_tok = self._tokens.get(comp.index, 0)
+            n_txt = self._text.get(comp.index, 0)
+            new_ids = list(comp.token_ids[n_tok:])
+            new_lp = None if comp.logprobs is None else [dict(d) for d in comp.logprobs[n_tok:]]
+            finished = comp.finish_reason is not None
+            if not new_ids and not finished and len(comp.text) <= n_txt:
+                continue
+            samples.append(SampleDelta(index=comp.index, token_ids=new_ids, text=comp.text[n_txt:],
+                                       logprobs=new_lp, finish_reason=comp.finish_reason,
+                                       stop_reason=comp.stop_reason))
+            self._tokens[comp.index] = len(comp.token_ids)
+            self._text[comp.index] = len(comp.text)
+            if finished:
+                self._done.add(comp.index)
+        if not samples and not self._first and not out.finished:
+            return None
+        chunk = EngineChunk(request_id=out.request_id, samples=samples, finished=out.finished)
+        if self._first:
+            chunk.prompt_token_ids = list(out.prompt_token_ids)
+            chunk.prompt_logprobs = out.prompt_logprobs
+            self._first = False
+        return chunk
+
+
+@serve.deployment(max_ongoing_requests=1024, health_check_period_s=10)
+class EngineServer:
+    """One engine replica of a role (`unified`, later `prefill`/`decode`)."""
+
+    def __init__(self, config: ServeConfig, model_dir: str, role: Role = "unified", index: int = 0) -> None:
+        self._config = config
+        self._model_dir = model_dir
+        self._role = role
+        self._index = index
+        self._engine = None  # workers.async_engine.AsyncEngine once loaded
+        self._state = "loading"
+        self._error: str | None = None
+        self._load_started = time.monotonic()
+        self._load_seconds: float | None = None
+        self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
+        self._thread.start()
+
+    # -- loading --------------------------------------------------------------------------------------------
+    def _load(self) -> None:
+        try:
+            from workers.async_engine import AsyncEngine
+            from workers.engine import Engine
+
+            model_dir = Path(self._model_dir)
+            if not model_dir.is_dir() and self._config.model is None:
+                # Another node of the cluster: write the built-in tiny model here too (deterministic seed).
+                model_dir = resolve_model_dir(self._config)
+            group = self._config.groups()[self._role]
+
+            def make_engine() -> Engine:
+                return Engine(str(model_dir), engine_config=self._config.engine, parallel=group.parallel,
+                              device=self._config.device, role=self._role)
+
+            self._engine = AsyncEngine(make_engine)
+            self._state = "ready"
+            self._load_seconds = time.monotonic() - self._load_started
+            logger.info("engine %s-%d ready in %.1f s", self._role, self._index, self._load_seconds)
+        except Exception as e:  # reported through ready(); the replica stays up to say why
+            logger.exception("engine %s-%d failed to load", self._role, self._index)
+            self._state = "failed"
+            self._error = f"{type(e).__name__}: {e}"
+
+    async def ready(self) -> dict:
+        """Load state for /health and the CLI's progress display."""
+        return {
+            "role": self._role,
+            "replica": self._index,
+            "state": self._state,
+            "error": self._error,
+            "ready": self._state == "ready",
+            "seconds": self._load_seconds if self._load_seconds is not None
+            else time.monotonic() - self._load_started,
+            "max_model_len": self._config.engine.max_model_len,
+        }
+
+    # -- requests -------------------------------------------------------------------------------------------
+    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
+        """Stream one request: `EngineChunk`s as tokens appear, or a single `EngineError`."""
+        if self._engine is None:
+            yield self._not_ready()
+            return
+        from workers.async_engine import QueueFullError
+
+        tracker = _DeltaTracker()
+        outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
+        finished = False
+        try:
+            async for out in outputs:
+                chunk = tracker.chunk(out)
+                if chunk is not None:
+                    finished = chunk.finished
+                    yield chunk
+        except QueueFullError as e:
+            yield EngineError(status=429, message=str(e) or "the waiting queue is full; retry later",
+                              code="queue_full", retry_after=RETRY_AFTER_QUEUE_FULL_S)
+        except ValueError as e:
+            yield EngineError(status=400, message=str(e), param=param_of(str(e)))
+        finally:
+            # Closing the engine's iterator aborts the request and frees its pages (client gone, or cancelled
+            # by Serve when the HTTP client disconnected); the explicit abort covers an iterator never started.
+            await outputs.aclose()
+            if not finished:
+                self._engine.abort(req.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        if self._engine is None:
+            return EngineStats(role=self._role)
+        return self._engine.stats()
+
+    async def pop_request_stats(self) -> list[RequestStats]:
+        if self._engine is None:
+            return []
+        pop = getattr(self._engine, "pop_request_stats", None)
+        return pop() if pop is not None else []
+
+    def _not_ready(self) -> EngineError:
+        if self._state == "failed":
+            return EngineError(status=503, message=f"engine failed to load: {self._error}", code="engine_failed")
+        return EngineError(status=503, message="engine is loading", code="not_ready", retry_after=5.0)
+
+    def __del__(self) -> None:
+        engine = self._engine
+        if engine is not None and hasattr(engine, "shutdown"):
+            try:
+                engine.shutdown()
+            except Exception:
+                pass
+
