@@ -1,0 +1,382 @@
+"""Prometheus metrics of the serving system: the only module that names metrics, labels and buckets.
+
+Engines return plain stats dataclasses (`workers.stats`); `EngineMetrics` turns them into metrics:
+
+    metrics = EngineMetrics(model_name="tiny", role="unified", replica="0")
+    metrics.record_request(request_stats)   # latency histograms, token and outcome counters
+    metrics.record_step(step_stats)         # step time, batch size
+    metrics.record_engine(engine_stats)     # gauges + cumulative counters (as deltas)
+    metrics.record_transfer(transfer_stats) # KV transfer latency, size, bytes
+
+`EngineReporter` runs that feed for one engine replica: a daemon thread that polls the engine every
+`interval_s` and re-sets the gauges (Ray drops a gauge that is not refreshed within ~2 s, measured on 2.60).
+
+How the numbers reach Prometheus (decided; docs/observability.md has the scrape config):
+- In a Ray Serve replica the default sink is `ray.util.metrics`. Every Ray node's metrics agent exports what
+  the processes on that node recorded on the node's metrics port (`ray start --metrics-export-port=8080`), so
+  one scrape target per node (the PodMonitor of the Helm chart) covers every replica. Ray puts its namespace
+  in front and its OpenTelemetry pipeline drops names with a ':' (measured: `m3serve:x` never appears), so a
+  metric `NAME` is registered as `m3serve_NAME` and Prometheus sees `ray_m3serve_NAME` (+ `_total` for
+  counters, `_bucket/_count/_sum` for histograms), with Ray's own labels (`WorkerId`, `NodeAddress`, ...) next
+  to ours. The `m3serve:` prefix of the design lives in the recording rules (`deploy/prometheus/`), where
+  Prometheus convention puts colons.
+- Ray re-records histogram observations at bucket midpoints on their way through the agent: `_bucket` and
+  `_count` are exact, `_sum` is approximate. Throughput and byte rates therefore come from counters, and
+  dashboards compute quantiles from buckets, never means from `_sum`.
+- `PrometheusClientSink` writes the same exported names into a `prometheus_client` registry, for a process that
+  serves its own `/metrics` (no Ray) and for exact unit tests of the feed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
+
+from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+
+logger = logging.getLogger("m3serve.metrics")
+
+__all__ = [
+    "LABELS", "METRICS", "MetricSpec", "REGISTERED_PREFIX", "EXPORT_PREFIX", "spec", "exported_name",
+    "request_observations", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
+]
+
+REGISTERED_PREFIX = "m3serve_"  # what deploy/ registers with the backend
+EXPORT_PREFIX = "ray_"  # what Ray's metrics agent puts in front of every name it exports
+LABELS = ("model_name", "role", "replica")
+
+Kind = Literal["counter", "gauge", "histogram"]
+
+# Buckets (seconds unless named otherwise). Sub-millisecond for per-token times on a GPU, minutes for
+# queueing and long generations; bounded so each histogram stays at ~20-30 series per label set.
+_TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                      0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_REQUEST_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                          30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TRANSFER_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                             1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TRANSFER_BYTES_BUCKETS = tuple(float(4 ** k) for k in range(6, 19))  # 4 KiB .. 64 GiB, x4 apart
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricSpec:
+    """One metric: `name` without prefix; labels are `LABELS` + `extra_labels`."""
+
+    name: str
+    kind: Kind
+    description: str
+    extra_labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return LABELS + self.extra_labels
+
+    @property
+    def registered_name(self) -> str:
+        return REGISTERED_PREFIX + self.name
+
+    @property
+    def exported_name(self) -> str:
+        """The family name Prometheus sees (counters carry `_total`; histograms add `_bucket/_count/_sum`)."""
+        return exported_name(self.name, self.kind)
+
+
+def exported_name(name: str, kind: Kind) -> str:
+    base = EXPORT_PREFIX + REGISTERED_PREFIX + name
+    return base + "_total" if kind == "counter" else base
+
+
+def _h(name: str, description: str, buckets: tuple[float, ...]) -> MetricSpec:
+    return MetricSpec(name=name, kind="histogram", description=description, buckets=buckets)
+
+
+def _c(name: str, description: str, extra: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(name=name, kind="counter", description=description, extra_labels=extra)
+
+
+def _g(name: str, description: str) -> MetricSpec:
+    return MetricSpec(name=name, kind="gauge", description=description)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    # per request (observed once per finished request, not per failed one)
+    _h("time_to_first_token_seconds", "Arrival at the engine to the first generated token.", _TTFT_BUCKETS),
+    _h("inter_token_latency_seconds", "Gap between consecutive generated tokens of a request.", _TOKEN_GAP_BUCKETS),
+    _h("request_time_per_output_token_seconds", "Decode time over generated tokens after the first.",
+       _TOKEN_GAP_BUCKETS),
+    _h("e2e_request_latency_seconds", "Arrival at the engine to the request's end.", _REQUEST_PHASE_BUCKETS),
+    _h("request_queue_time_seconds", "Arrival to first scheduled (waiting queue).", _REQUEST_PHASE_BUCKETS),
+    _h("request_prefill_time_seconds", "First scheduled to first token.", _REQUEST_PHASE_BUCKETS),
+    _h("request_decode_time_seconds", "First token to the request's end.", _REQUEST_PHASE_BUCKETS),
+    _c("prompt_tokens", "Prompt tokens of finished requests."),
+    _c("generation_tokens", "Tokens generated by finished requests."),
+    _c("request_success", "Finished requests, by finish reason (stop, length, abort).", ("finished_reason",)),
+    _c("request_failure", "Failed requests, by reason (error, transfer, timeout, ...).", ("reason",)),
+    # per KV transfer (disaggregation)
+    _h("kv_transfer_seconds", "Duration of one request's KV page transfer.", _TRANSFER_SECONDS_BUCKETS),
+    _h("kv_transfer_bytes", "Bytes of one request's KV page transfer.", _TRANSFER_BYTES_BUCKETS),
+    _c("kv_transferred_bytes", "Bytes moved by KV transfers (exact; for GB/s)."),
+    _c("kv_transfer_busy_seconds", "Seconds spent in KV transfers (exact; for GB/s)."),
+    _c("kv_transfer_failures", "KV transfers that failed."),
+    # per engine step
+    _h("engine_step_seconds", "Wall time of one engine step.", _STEP_BUCKETS),
+    _h("engine_step_host_overhead_seconds", "Part of a step spent outside the model forward.", _STEP_BUCKETS),
+    _c("engine_steps", "Engine steps run."),
+    # engine snapshot (gauges re-set every reporter tick; counters from cumulative engine counts)
+    _g("num_requests_running", "Requests in the running batch."),
+    _g("num_requests_waiting", "Requests in the waiting queue."),
+    _g("kv_cache_usage_perc", "Fraction of KV pages in use by requests (0..1)."),
+    _g("batch_size", "Requests in the latest engine step."),
+    _c("preemptions", "Requests preempted (pages reclaimed, recomputed later)."),
+    _c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    _c("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+)
+_BY_NAME = {m.name: m for m in METRICS}
+
+
+def spec(name: str) -> MetricSpec:
+    """The spec of metric `name` (without prefix); KeyError names unknown metrics."""
+    return _BY_NAME[name]
+
+
+def request_observations(stats: RequestStats) -> dict[str, list[float]]:
+    """The histogram values one finished request contributes, by metric name (pure; unit-tested).
+
+    Definitions match `m3serve bench` for the same timestamps: TTFT = first token - arrival, ITL = gaps
+    between consecutive tokens, TPOT = (end - first token) / (tokens - 1) for 2+ tokens, e2e = end - arrival.
+    """
+    out: dict[str, list[float]] = {}
+
+    def put(name: str, value: float | None) -> None:
+        if value is not None:
+            out.setdefault(name, []).append(max(0.0, float(value)))
+
+    put("time_to_first_token_seconds", stats.ttft)
+    put("request_time_per_output_token_seconds", stats.time_per_output_token)
+    put("e2e_request_latency_seconds", stats.e2e_latency)
+    put("request_queue_time_seconds", stats.queue_time)
+    put("request_prefill_time_seconds", stats.prefill_time)
+    put("request_decode_time_seconds", stats.decode_time)
+    for gap in stats.inter_token_latencies:
+        put("inter_token_latency_seconds", gap)
+    return out
+
+
+# -- sinks ------------------------------------------------------------------------------------------------------
+class Sink(Protocol):
+    def inc(self, spec: MetricSpec, value: float, labels: Mapping[str, str]) -> None: ...
+    def set(self, spec: MetricSpec, value: float, labels: Mapping[str, str]) -> None: ...
+    def observe(self, spec: MetricSpec, value: float, labels: Mapping[str, str]) -> None: ...
+
+
+class RayMetricsSink:
+    """`ray.util.metrics` instruments, created once per process (Ray merges same-named ones per node)."""
+
+    _lock = threading.Lock()
+    _instruments: dict[str, Any] = {}
+
+    def _get(self, s: MetricSpec) -> Any:
+        with self._lock:
+            inst = self._instruments.get(s.name)
+            if inst is None:
+                from ray.util import metrics as rm
+
+                if s.kind == "counter":
+                    inst = rm.Counter(s.registered_name, s.description, tag_keys=s.labels)
+                elif s.kind == "gauge":
+                    inst = rm.Gauge(s.registered_name, s.description, tag_keys=s.labels)
+                else:
+                    inst = rm.Histogram(s.registered_name, s.description, boundaries=list(s.buckets),
+                                        tag_keys=s.labels)
+                self._instruments[s.name] = inst
+            return inst
+
+    def inc(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        if value > 0:  # Ray refuses 0 increments
+            self._get(s).inc(value, dict(labels))
+
+    def set(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        self._get(s).set(value, dict(labels))
+
+    def observe(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        self._get(s).observe(value, dict(labels))
+
+
+class PrometheusClientSink:
+    """A `prometheus_client` registry holding the same exported names as Ray's export."""
+
+    def __init__(self, registry: Any = None) -> None:
+        import prometheus_client as pc
+
+        self.registry = registry if registry is not None else pc.CollectorRegistry()
+        self._metrics: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _get(self, s: MetricSpec) -> Any:
+        with self._lock:
+            m = self._metrics.get(s.name)
+            if m is None:
+                import prometheus_client as pc
+
+                # prometheus_client appends `_total` to counters itself
+                name = EXPORT_PREFIX + s.registered_name
+                if s.kind == "counter":
+                    m = pc.Counter(name, s.description, s.labels, registry=self.registry)
+                elif s.kind == "gauge":
+                    m = pc.Gauge(name, s.description, s.labels, registry=self.registry)
+                else:
+                    m = pc.Histogram(name, s.description, s.labels, buckets=s.buckets, registry=self.registry)
+                self._metrics[s.name] = m
+            return m
+
+    def inc(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        if value > 0:
+            self._get(s).labels(**labels).inc(value)
+
+    def set(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        self._get(s).labels(**labels).set(value)
+
+    def observe(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
+        self._get(s).labels(**labels).observe(value)
+
+    def exposition(self) -> bytes:
+        import prometheus_client as pc
+
+        return pc.generate_latest(self.registry)
+
+
+# -- the feed ---------------------------------------------------------------------------------------------------
+class EngineMetrics:
+    """Metrics of one engine replica; every series carries `model_name`, `role`, `replica`."""
+
+    def __init__(self, model_name: str, role: str, replica: str | int, *, sink: Sink | None = None) -> None:
+        self.labels = {"model_name": str(model_name), "role": str(role), "replica": str(replica)}
+        self.sink: Sink = sink if sink is not None else RayMetricsSink()
+        self._lock = threading.Lock()
+        self._cumulative: dict[str, int] = {}  # last cumulative engine counts, to turn them into increments
+        self._gauges: dict[str, float] = {}
+        self._last_batch_size: int | None = None  # None until the engine reports steps
+
+    def _inc(self, name: str, value: float, **extra: str) -> None:
+        self.sink.inc(_BY_NAME[name], value, {**self.labels, **extra})
+
+    def _observe(self, name: str, value: float) -> None:
+        self.sink.observe(_BY_NAME[name], value, self.labels)
+
+    def _set(self, name: str, value: float) -> None:
+        self._gauges[name] = float(value)
+        self.sink.set(_BY_NAME[name], float(value), self.labels)
+
+    def record_request(self, stats: RequestStats) -> None:
+        """One finished or failed request: counters always, latency histograms only for finished ones."""
+        self._inc("prompt_tokens", stats.prompt_tokens)
+        self._inc("generation_tokens", stats.generation_tokens)
+        if stats.failure_reason is not None:
+            self._inc("request_failure", 1, reason=stats.failure_reason)
+            return
+        self._inc("request_success", 1, finished_reason=stats.finished_reason or "unknown")
+        for name, values in request_observations(stats).items():
+            for v in values:
+                self._observe(name, v)
+
+    def record_step(self, stats: StepStats) -> None:
+        self._observe("engine_step_seconds", stats.step_time)
+        self._observe("engine_step_host_overhead_seconds", stats.host_overhead)
+        self._inc("engine_steps", 1)
+        self._last_batch_size = stats.batch_size
+        self._set("batch_size", stats.batch_size)
+
+    def record_engine(self, stats: EngineStats) -> None:
+        """A snapshot: sets the gauges and adds what the cumulative engine counters grew by since the last one."""
+        self._set("num_requests_running", stats.num_running)
+        self._set("num_requests_waiting", stats.num_waiting)
+        self._set("kv_cache_usage_perc", stats.kv_cache_usage)
+        # without step stats the running batch is the best estimate of the step's batch size
+        if self._last_batch_size is None or stats.num_running == 0:
+            self._set("batch_size", stats.num_running)
+        else:
+            self._set("batch_size", self._last_batch_size)
+        for name, total in (("preemptions", stats.num_preemptions),
+                            ("prefix_cache_queries", stats.prefix_cache_queries),
+                            ("prefix_cache_hits", stats.prefix_cache_hits)):
+            self._inc(name, self._delta(name, total))
+
+    def _delta(self, name: str, total: int) -> int:
+        with self._lock:
+            last = self._cumulative.get(name, 0)
+            self._cumulative[name] = total
+        # a smaller total means the engine restarted: everything it counted since is new
+        return total - last if total >= last else total
+
+    def record_transfer(self, stats: TransferStats) -> None:
+        if not stats.ok:
+            self._inc("kv_transfer_failures", 1)
+            return
+        self._observe("kv_transfer_seconds", stats.seconds)
+        self._observe("kv_transfer_bytes", stats.num_bytes)
+        self._inc("kv_transferred_bytes", stats.num_bytes)
+        self._inc("kv_transfer_busy_seconds", stats.seconds)
+
+    def refresh_gauges(self) -> None:
+        """Re-set the last gauge values (Ray forgets a gauge that is not re-set within ~2 report intervals)."""
+        for name, value in list(self._gauges.items()):
+            self.sink.set(_BY_NAME[name], value, self.labels)
+
+
+def _call_optional(source: Any, method: str) -> Iterable[Any]:
+    fn: Callable[[], Iterable[Any]] | None = getattr(source, method, None)
+    return fn() if fn is not None else ()
+
+
+class EngineReporter:
+    """Feeds `EngineMetrics` from an engine (`Engine` or `AsyncEngine`) on a daemon thread.
+
+    Each tick: `stats()` -> gauges, `pop_request_stats()` -> requests, and where the engine has them
+    `pop_step_stats()` -> steps and `pop_transfer_stats()` -> transfers. `tick()` is public so a caller (or a
+    test) can flush synchronously, e.g. right before it reports a request as done.
+    """
+
+    def __init__(self, engine: Any, metrics: EngineMetrics, *, interval_s: float = 0.5) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._tick_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def tick(self) -> None:
+        with self._tick_lock:
+            for step in _call_optional(self.engine, "pop_step_stats"):
+                self.metrics.record_step(step)
+            for req in _call_optional(self.engine, "pop_request_stats"):
+                self.metrics.record_request(req)
+            for tr in _call_optional(self.engine, "pop_transfer_stats"):
+                self.metrics.record_transfer(tr)
+            self.metrics.record_engine(self.engine.stats())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # a metrics hiccup must never take the replica down
+                logger.exception("metrics tick failed")
+
+    def start(self) -> "EngineReporter":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="m3serve-metrics", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, *, flush: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval_s + 1)
+            self._thread = None
+        if flush:
+            self.tick()

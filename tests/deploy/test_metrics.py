@@ -1,0 +1,171 @@
+"""deploy/metrics.py: names, buckets, and the exact values the stats feed records (prometheus_client sink)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+from prometheus_client.utils import floatToGoString  # noqa: E402
+
+from deploy.bench import RequestResult  # noqa: E402
+from deploy.metrics import (  # noqa: E402
+    LABELS, METRICS, EngineMetrics, PrometheusClientSink, exported_name, request_observations, spec,
+)
+from workers.stats import EngineStats, RequestStats, StepStats, TransferStats  # noqa: E402
+
+REQUIRED = {
+    "histogram": ["time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+                  "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                  "kv_transfer_seconds", "kv_transfer_bytes", "engine_step_seconds"],
+    "counter": ["prompt_tokens", "generation_tokens", "request_success", "request_failure", "preemptions",
+                "prefix_cache_queries", "prefix_cache_hits"],
+    "gauge": ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "batch_size"],
+}
+
+# A request with known timestamps: arrives at 100.0, scheduled at 100.25, tokens at 100.5, 100.6, 100.8, 101.1,
+# ends with the last token.
+ARRIVAL, SCHEDULED = 100.0, 100.25
+TOKEN_TIMES = [100.5, 100.6, 100.8, 101.1]
+
+
+def _request(**kw) -> RequestStats:
+    base = dict(request_id="r1", prompt_tokens=7, generation_tokens=len(TOKEN_TIMES), finished_reason="length",
+                arrival_time=ARRIVAL, first_scheduled_time=SCHEDULED, first_token_time=TOKEN_TIMES[0],
+                finished_time=TOKEN_TIMES[-1], token_times=list(TOKEN_TIMES))
+    base.update(kw)
+    return RequestStats(**base)
+
+
+def _sample(sink: PrometheusClientSink, name: str, **labels) -> float | None:
+    return sink.registry.get_sample_value(name, labels)
+
+
+def _labels(**extra) -> dict[str, str]:
+    return {"model_name": "tiny", "role": "unified", "replica": "0", **extra}
+
+
+def test_every_required_metric_is_declared_with_its_kind():
+    for kind, names in REQUIRED.items():
+        for name in names:
+            assert spec(name).kind == kind, name
+    assert len({m.name for m in METRICS}) == len(METRICS)
+
+
+def test_names_survive_rays_export_and_buckets_are_increasing():
+    ray_name = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")  # Ray 2.60 drops names with ':' (measured)
+    for m in METRICS:
+        assert ray_name.match(m.registered_name), m.registered_name
+        assert m.labels[:3] == LABELS
+        if m.kind == "histogram":
+            assert len(m.buckets) >= 10 and all(b > 0 for b in m.buckets)
+            assert list(m.buckets) == sorted(set(m.buckets)), m.name
+    # sub-millisecond token gaps and many-minute requests both land in a finite bucket
+    assert spec("inter_token_latency_seconds").buckets[0] <= 0.0005
+    assert spec("e2e_request_latency_seconds").buckets[-1] >= 600
+    assert exported_name("prompt_tokens", "counter") == "ray_m3serve_prompt_tokens_total"
+    assert spec("time_to_first_token_seconds").exported_name == "ray_m3serve_time_to_first_token_seconds"
+
+
+def test_request_observations_follow_the_definitions():
+    obs = request_observations(_request())
+    assert obs["time_to_first_token_seconds"] == [pytest.approx(0.5)]
+    assert obs["request_queue_time_seconds"] == [pytest.approx(0.25)]
+    assert obs["request_prefill_time_seconds"] == [pytest.approx(0.25)]
+    assert obs["request_decode_time_seconds"] == [pytest.approx(0.6)]
+    assert obs["e2e_request_latency_seconds"] == [pytest.approx(1.1)]
+    assert obs["request_time_per_output_token_seconds"] == [pytest.approx(0.6 / 3)]
+    assert obs["inter_token_latency_seconds"] == pytest.approx([0.1, 0.2, 0.3])
+    # one token: no TPOT, no ITL; never scheduled: no queue/prefill time
+    one = request_observations(_request(generation_tokens=1, token_times=[100.5], finished_time=100.5,
+                                       first_scheduled_time=None))
+    assert "request_time_per_output_token_seconds" not in one and "inter_token_latency_seconds" not in one
+    assert "request_queue_time_seconds" not in one and "request_prefill_time_seconds" not in one
+
+
+def test_engine_metrics_agree_with_the_bench_client_on_the_same_timestamps():
+    """The server-side histograms and the bench client measure TTFT/TPOT/ITL/e2e identically."""
+    client = RequestResult(success=True, start=ARRIVAL, end=TOKEN_TIMES[-1], chunk_times=list(TOKEN_TIMES),
+                           output_tokens=len(TOKEN_TIMES), prompt_tokens=7)
+    sink = PrometheusClientSink()
+    EngineMetrics("tiny", "unified", 0, sink=sink).record_request(_request())
+    pairs = {"time_to_first_token_seconds": [client.ttft],
+             "request_time_per_output_token_seconds": [client.tpot],
+             "inter_token_latency_seconds": client.itl,
+             "e2e_request_latency_seconds": [client.e2e]}
+    for name, values in pairs.items():
+        fam = spec(name).exported_name
+        assert _sample(sink, fam + "_count", **_labels()) == len(values), name
+        assert _sample(sink, fam + "_sum", **_labels()) == pytest.approx(sum(values)), name
+
+
+def test_record_request_counts_success_failure_and_tokens():
+    sink = PrometheusClientSink()
+    m = EngineMetrics("tiny", "unified", 0, sink=sink)
+    m.record_request(_request())
+    m.record_request(_request(request_id="r2", finished_reason="stop", prompt_tokens=3, generation_tokens=2,
+                              token_times=[100.5, 100.7], finished_time=100.7))
+    m.record_request(_request(request_id="r3", failure_reason="transfer", generation_tokens=0, token_times=[],
+                              first_token_time=None, finished_time=None, prompt_tokens=5))
+    assert _sample(sink, "ray_m3serve_prompt_tokens_total", **_labels()) == 15
+    assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 6
+    assert _sample(sink, "ray_m3serve_request_success_total", **_labels(finished_reason="length")) == 1
+    assert _sample(sink, "ray_m3serve_request_success_total", **_labels(finished_reason="stop")) == 1
+    assert _sample(sink, "ray_m3serve_request_failure_total", **_labels(reason="transfer")) == 1
+    # the failed request adds no latency observation
+    assert _sample(sink, "ray_m3serve_time_to_first_token_seconds_count", **_labels()) == 2
+    assert _sample(sink, "ray_m3serve_inter_token_latency_seconds_count", **_labels()) == 3 + 1
+    # the 0.5 s TTFTs sit in the 0.5 bucket and not in the 0.25 one
+    ttft = "ray_m3serve_time_to_first_token_seconds_bucket"
+    assert _sample(sink, ttft, **_labels(le="0.25")) == 0
+    assert _sample(sink, ttft, **_labels(le="0.5")) == 2
+
+
+def test_record_engine_sets_gauges_and_turns_cumulative_counts_into_increments():
+    sink = PrometheusClientSink()
+    m = EngineMetrics("tiny", "decode", "3", sink=sink)
+    lab = {"model_name": "tiny", "role": "decode", "replica": "3"}
+    m.record_engine(EngineStats(role="decode", num_running=2, num_waiting=5, num_pages_total=100,
+                                num_pages_free=75, prefix_cache_queries=40, prefix_cache_hits=16, num_preemptions=1))
+    assert _sample(sink, "ray_m3serve_num_requests_running", **lab) == 2
+    assert _sample(sink, "ray_m3serve_num_requests_waiting", **lab) == 5
+    assert _sample(sink, "ray_m3serve_kv_cache_usage_perc", **lab) == pytest.approx(0.25)
+    assert _sample(sink, "ray_m3serve_batch_size", **lab) == 2  # no step stats yet: the running batch
+    m.record_step(StepStats(step_time=0.02, host_overhead=0.004, batch_size=4, num_decode_tokens=4))
+    assert _sample(sink, "ray_m3serve_batch_size", **lab) == 4
+    assert _sample(sink, "ray_m3serve_engine_step_seconds_count", **lab) == 1
+    m.record_engine(EngineStats(role="decode", num_running=4, prefix_cache_queries=50, prefix_cache_hits=20,
+                                num_preemptions=3, num_pages_total=100, num_pages_free=100))
+    assert _sample(sink, "ray_m3serve_prefix_cache_queries_total", **lab) == 50
+    assert _sample(sink, "ray_m3serve_prefix_cache_hits_total", **lab) == 20
+    assert _sample(sink, "ray_m3serve_preemptions_total", **lab) == 3
+    # engine restarted: its counts start again from 0, and what it counted since is new
+    m.record_engine(EngineStats(role="decode", prefix_cache_queries=8, prefix_cache_hits=2, num_preemptions=0))
+    assert _sample(sink, "ray_m3serve_prefix_cache_queries_total", **lab) == 58
+    assert _sample(sink, "ray_m3serve_prefix_cache_hits_total", **lab) == 22
+    assert _sample(sink, "ray_m3serve_batch_size", **lab) == 0  # idle engine
+
+
+def test_record_transfer_counts_bytes_exactly():
+    sink = PrometheusClientSink()
+    m = EngineMetrics("tiny", "prefill", 0, sink=sink)
+    lab = {"model_name": "tiny", "role": "prefill", "replica": "0"}
+    m.record_transfer(TransferStats(request_id="a", num_bytes=3 << 20, seconds=0.002, num_pages=6))
+    m.record_transfer(TransferStats(request_id="b", num_bytes=1 << 20, seconds=0.001, num_pages=2))
+    m.record_transfer(TransferStats(request_id="c", num_bytes=0, seconds=0.5, num_pages=2, ok=False))
+    assert _sample(sink, "ray_m3serve_kv_transferred_bytes_total", **lab) == 4 << 20
+    assert _sample(sink, "ray_m3serve_kv_transfer_busy_seconds_total", **lab) == pytest.approx(0.003)
+    assert _sample(sink, "ray_m3serve_kv_transfer_failures_total", **lab) == 1
+    assert _sample(sink, "ray_m3serve_kv_transfer_seconds_count", **lab) == 2
+    assert _sample(sink, "ray_m3serve_kv_transfer_bytes_bucket", **lab, le=floatToGoString(4 ** 10)) == 1
+    assert _sample(sink, "ray_m3serve_kv_transfer_bytes_bucket", **lab, le=floatToGoString(4 ** 11)) == 2
+
+
+def test_exposition_is_prometheus_text():
+    sink = PrometheusClientSink()
+    EngineMetrics("tiny", "unified", 0, sink=sink).record_request(_request())
+    text = sink.exposition().decode()
+    assert "# TYPE ray_m3serve_time_to_first_token_seconds histogram" in text
+    assert 'ray_m3serve_request_success_total{finished_reason="length",model_name="tiny"' in text
