@@ -65,6 +65,8 @@ def cached_preset_dir(preset: str, *, seed: int = 0, layout: str = HUB, cache_di
     try:
         write_preset_checkpoint(preset, tmp, seed=seed, layout=layout)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
+        if final.exists():  # an incomplete entry (interrupted copy, deleted file): replace it
+            shutil.rmtree(final, ignore_errors=True)
         try:
             os.rename(tmp, final)
         except OSError:
