@@ -65,6 +65,9 @@ Cross-field checks that JSON Schema cannot express; `helm template/install` stop
 They mirror workers.config.ParallelConfig and the pod layout (one engine replica = one pod).
 */}}
 {{- define "m3serve.validate" -}}
+{{- if ge (int .Values.gracefulShutdown.serveTimeoutSeconds) (int .Values.gracefulShutdown.terminationGracePeriodSeconds) -}}
+{{- fail "gracefulShutdown: serveTimeoutSeconds must be below terminationGracePeriodSeconds (the pod would be killed mid-drain)" -}}
+{{- end -}}
 {{- if and .Values.apiKey.value .Values.apiKey.existingSecret -}}
 {{- fail "apiKey: set either apiKey.value or apiKey.existingSecret, not both" -}}
 {{- end -}}
@@ -109,9 +112,7 @@ RayService: it reaches the pods as env M3SERVE_API_KEY from a Secret.
 {{- define "m3serve.serveConfigV2" -}}
 {{- $app := dict "name" .Values.serveApp.name "route_prefix" .Values.serveApp.routePrefix "import_path" "deploy.app:build_app" -}}
 {{- $_ := set $app "args" (dict "config" (include "m3serve.serveConfig" . | fromJson)) -}}
-{{- if .Values.serveApp.deployments -}}
-{{- $_ := set $app "deployments" .Values.serveApp.deployments -}}
-{{- end -}}
+{{- $_ := set $app "deployments" (include "m3serve.deploymentOptions" . | fromYamlArray) -}}
 {{- $http := dict "host" "0.0.0.0" "port" (int .Values.service.targetPort) -}}
 {{- if .Values.serveApp.requestTimeoutSeconds -}}
 {{- $_ := set $http "request_timeout_s" .Values.serveApp.requestTimeoutSeconds -}}
@@ -120,6 +121,34 @@ RayService: it reaches the pods as env M3SERVE_API_KEY from a Secret.
 {{- /* JSON, not toYaml: Helm holds numbers as float64 and toYaml writes 67108864 as 6.7108864e+07, which the
        strict loader would reject as a float for an int field. JSON is valid YAML for KubeRay. */ -}}
 {{- toPrettyJson $doc -}}
+{{- end -}}
+
+{{/*
+Per-deployment Serve options: every deployment deploy.app:build_app creates (Ingress, Router, one
+EngineServer-<role>-<i> per engine replica) drains for gracefulShutdown.serveTimeoutSeconds when Serve stops it
+(upgrades, config changes); `serveApp.deployments` entries are merged on top by name.
+*/}}
+{{- define "m3serve.deploymentOptions" -}}
+{{- $gs := .Values.gracefulShutdown -}}
+{{- $drain := dict "graceful_shutdown_timeout_s" $gs.serveTimeoutSeconds "graceful_shutdown_wait_loop_s" $gs.serveWaitLoopSeconds -}}
+{{- $byName := dict -}}
+{{- $names := list "Ingress" "Router" -}}
+{{- range $role := splitList " " (include "m3serve.roles" .) -}}
+{{- range $i := until (int (index $.Values.serve $role).replicas) -}}
+{{- $names = append $names (printf "EngineServer-%s-%d" $role $i) -}}
+{{- end -}}
+{{- end -}}
+{{- range $names -}}
+{{- $_ := set $byName . (merge (dict "name" .) $drain) -}}
+{{- end -}}
+{{- range .Values.serveApp.deployments -}}
+{{- $_ := set $byName .name (mergeOverwrite (default dict (get $byName .name)) (deepCopy .)) -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $name := keys $byName | sortAlpha -}}
+{{- $out = append $out (get $byName $name) -}}
+{{- end -}}
+{{- toYaml $out -}}
 {{- end -}}
 
 {{/* Env shared by every Ray container. */}}
@@ -167,9 +196,15 @@ RayService: it reaches the pods as env M3SERVE_API_KEY from a Secret.
 {{- end }}
 {{- end -}}
 
-{{/* Copies the checkpoint from object storage into the pod's model emptyDir before Ray starts. */}}
+{{/*
+Copies the checkpoint from object storage into the pod's model emptyDir before Ray starts. The head gets the small
+files only (config, tokenizer; MODEL_FILES=metadata): Serve builds the application there, which reads them.
+Called with (dict "root" $ "metadataOnly" bool).
+*/}}
 {{- define "m3serve.modelInitContainer" -}}
-{{- $m := .Values.model -}}
+{{- $m := .root.Values.model -}}
+{{- $metadataOnly := .metadataOnly -}}
+{{- with .root -}}
 {{- if eq $m.source "objectStorage" }}
 - name: fetch-model
   image: {{ $m.objectStorage.image }}
@@ -182,16 +217,20 @@ RayService: it reaches the pods as env M3SERVE_API_KEY from a Secret.
     - /bin/sh
     - -c
     - |
-      set -eu
+      set -euf  # no globbing: the --exclude patterns below are for aws, not the shell
       if [ -f "$MODEL_DIR/config.json" ]; then echo "model already in $MODEL_DIR"; exit 0; fi
       mkdir -p "$MODEL_DIR"
-      aws s3 sync ${S3_ENDPOINT_URL:+--endpoint-url "$S3_ENDPOINT_URL"} --only-show-errors "$MODEL_URI" "$MODEL_DIR"
+      skip=""
+      if [ "$MODEL_FILES" = metadata ]; then skip="--exclude *.safetensors --exclude *.bin --exclude *.pt"; fi
+      aws s3 sync ${S3_ENDPOINT_URL:+--endpoint-url "$S3_ENDPOINT_URL"} --only-show-errors $skip "$MODEL_URI" "$MODEL_DIR"
   {{- end }}
   env:
     - name: MODEL_URI
       value: {{ $m.objectStorage.uri | quote }}
     - name: MODEL_DIR
       value: {{ include "m3serve.modelDir" . | quote }}
+    - name: MODEL_FILES
+      value: {{ ternary "metadata" "all" $metadataOnly }}
     {{- with $m.objectStorage.endpointUrl }}
     - name: S3_ENDPOINT_URL
       value: {{ . | quote }}
@@ -207,6 +246,7 @@ RayService: it reaches the pods as env M3SERVE_API_KEY from a Secret.
     - name: model
       mountPath: {{ $m.mountPath }}
 {{- end }}
+{{- end -}}
 {{- end -}}
 
 {{/* Graceful shutdown: `ray stop` lets the raylet drain before the pod goes away. */}}
