@@ -344,6 +344,7 @@ class Ingress:
         for row in rows:
             s = row["stats"]
             out.append({"role": row["role"], "replica": row["replica"], "inflight": row["inflight"],
+                        "counters": row["counters"],
                         "stats": None if s is None else {**vars(s), "kv_cache_usage": s.kv_cache_usage}})
         return JSONResponse({"engines": out})
 

@@ -35,6 +35,7 @@ class Router:
         self._inflight: dict[ReplicaKey, int] = {key: 0 for key in self._engines}
         self._where: dict[str, ReplicaKey] = {}  # request id -> replica, for aborts
         self._stats: dict[ReplicaKey, EngineStats] = {}
+        self._counters: dict[ReplicaKey, dict] = {}
         self._stats_time = 0.0
         self._refreshing: asyncio.Task | None = None
 
@@ -61,10 +62,11 @@ class Router:
 
     async def _refresh_stats(self) -> None:
         keys = list(self._engines)
-        results = await asyncio.gather(*(self._engines[k].stats.remote() for k in keys), return_exceptions=True)
+        results = await asyncio.gather(*(self._engines[k].snapshot.remote() for k in keys), return_exceptions=True)
         for key, res in zip(keys, results):
-            if isinstance(res, EngineStats):
-                self._stats[key] = res
+            if isinstance(res, dict):
+                self._stats[key] = res["stats"]
+                self._counters[key] = res["counters"]
 
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
@@ -108,11 +110,11 @@ class Router:
         return {"ready": all(e["ready"] for e in engines), "engines": engines}
 
     async def stats(self) -> list[dict]:
-        """Fresh stats of every replica: `[{"role", "replica", "stats": EngineStats, "inflight"}]`."""
+        """Fresh stats of every replica: `[{"role", "replica", "stats": EngineStats, "counters", "inflight"}]`."""
         await self._refresh_stats()
         self._stats_time = time.monotonic()
-        return [{"role": k[0], "replica": k[1], "stats": self._stats.get(k), "inflight": self._inflight[k]}
-                for k in self._engines]
+        return [{"role": k[0], "replica": k[1], "stats": self._stats.get(k), "counters": self._counters.get(k),
+                 "inflight": self._inflight[k]} for k in self._engines]
 
     async def pop_request_stats(self) -> list:
         """Finished-request stats of every replica since the last call (for the metrics exporter)."""

@@ -91,6 +91,8 @@ class EngineServer:
         self._error: str | None = None
         self._load_started = time.monotonic()
         self._load_seconds: float | None = None
+        # Request outcomes as this server saw them (operators' view of cancellations; the leak tests use it).
+        self._counters = {"started": 0, "finished": 0, "aborted": 0, "rejected": 0}
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -142,7 +144,8 @@ class EngineServer:
 
         tracker = _DeltaTracker()
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
-        finished = False
+        self._counters["started"] += 1
+        finished = refused = False
         try:
             async for out in outputs:
                 chunk = tracker.chunk(out)
@@ -150,16 +153,20 @@ class EngineServer:
                     finished = chunk.finished
                     yield chunk
         except QueueFullError as e:
+            refused = True
             yield EngineError(status=429, message=str(e) or "the waiting queue is full; retry later",
                               code="queue_full", retry_after=RETRY_AFTER_QUEUE_FULL_S)
         except ValueError as e:
+            refused = True
             yield EngineError(status=400, message=str(e), param=param_of(str(e)))
         finally:
             # Closing the engine's iterator aborts the request and frees its pages (client gone, or cancelled
             # by Serve when the HTTP client disconnected); the explicit abort covers an iterator never started.
             await outputs.aclose()
-            if not finished:
+            if not finished and not refused:
                 self._engine.abort(req.request_id)
+            outcome = "finished" if finished else "rejected" if refused else "aborted"
+            self._counters[outcome] += 1
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
@@ -169,6 +176,10 @@ class EngineServer:
         if self._engine is None:
             return EngineStats(role=self._role)
         return self._engine.stats()
+
+    async def snapshot(self) -> dict:
+        """Engine stats plus this server's request counters (`started`, `finished`, `aborted`, `rejected`)."""
+        return {"stats": await self.stats(), "counters": dict(self._counters)}
 
     async def pop_request_stats(self) -> list[RequestStats]:
         if self._engine is None:
