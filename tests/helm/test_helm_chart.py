@@ -96,7 +96,7 @@ def test_the_three_ci_value_sets_exist():
 def test_every_ci_value_set_renders_the_expected_objects(ci):
     values = ci_values(ci)
     kinds = set(objects(values))
-    want = {"RayService", "PodMonitor", "ConfigMap"}
+    want = {"RayService", "PodMonitor", "PrometheusRule", "ConfigMap"}
     if values.get("apiKey", {}).get("value"):
         want.add("Secret")
     assert kinds == want
@@ -223,6 +223,8 @@ def test_serve_config_loads_and_matches_the_worker_groups(ci):
         assert groups[role]["replicas"] == group.replicas
         assert limits["nvidia.com/gpu"] * groups[role]["replicas"] == group.tp * group.dp * group.replicas
         assert int(groups[role]["rayStartParams"]["num-gpus"]) == group.tp * group.dp
+        # KubeRay's form for custom resources: a JSON object inside a quoted string (it goes to a shell).
+        assert json.loads(json.loads(groups[role]["rayStartParams"]["resources"])) == {f"m3serve_{role}": group.tp * group.dp}
         # The engines find the checkpoint where the chart mounts it.
         mount = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert cfg.model.startswith(mount["model"] + "/")
@@ -291,6 +293,23 @@ def test_chart_dashboard_is_a_copy_of_the_metrics_dashboard():
         pytest.skip("deploy/dashboards/m3serve.json does not exist yet (metrics issue)")
     assert (CHART / "dashboards" / "m3serve.json").read_bytes() == source.read_bytes(), \
         "copy deploy/dashboards/m3serve.json to helm/m3serve/dashboards/m3serve.json"
+
+
+@pytest.mark.parametrize("ci", CI_SETS)
+def test_prometheus_rule_carries_the_recording_rules(ci):
+    rule = objects(ci_values(ci))["PrometheusRule"]
+    errors = list(_schema("prometheusrule_v1.schema.json").iter_errors(rule))
+    assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+    chart_copy = yaml.safe_load((CHART / "prometheus" / "m3serve.rules.yml").read_text())
+    assert rule["spec"]["groups"] == chart_copy["groups"]
+
+
+def test_chart_rules_are_a_copy_of_the_metrics_rules():
+    source = REPO / "deploy" / "prometheus" / "m3serve.rules.yml"
+    if not source.is_file():
+        pytest.skip("deploy/prometheus/m3serve.rules.yml does not exist yet (metrics issue)")
+    assert (CHART / "prometheus" / "m3serve.rules.yml").read_bytes() == source.read_bytes(), \
+        "copy deploy/prometheus/m3serve.rules.yml to helm/m3serve/prometheus/m3serve.rules.yml"
 
 
 # ----------------------------------------------------------------------------------- API key / Secret
