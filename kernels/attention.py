@@ -76,6 +76,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
                         bid_st_n, bid_st_h, o_st_n, o_st_h, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h,
                         qk_scale_log2, num_splits,
                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+                        BLOCK_N: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
                         ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -85,7 +86,8 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
     p = tl.load(pos_ptr + n).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
-    t = tl.arange(0, PS)
+    t = tl.arange(0, BLOCK_N)
+    SUB: tl.constexpr = PS // BLOCK_N  # tiles per block: smaller tiles keep more loads in flight per SM
     heads = kvh * G + g
     q = tl.load(q_ptr + n * q_st_n + heads[:, None] * q_st_h + d[None, :], mask=(g < G)[:, None], other=0.0)
     if DOT_FP32:
@@ -100,22 +102,26 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    for i in range(s, count, num_splits):
+    for i in range(s, count * SUB, num_splits):
+        j = i // SUB
         if SPARSE:
-            b = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + i).to(tl.int64)
+            b = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + j).to(tl.int64)
         else:
-            b = i
+            b = j
         page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
-        k = tl.load(kc_ptr + page * kc_st_p + t[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
-        v = tl.load(vc_ptr + page * vc_st_p + t[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
+        tok = (i % SUB) * BLOCK_N + t
+        k = tl.load(kc_ptr + page * kc_st_p + tok[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
+        v = tl.load(vc_ptr + page * vc_st_p + tok[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
         if DOT_FP32:
             qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        qk = tl.where((b * PS + t)[None, :] <= p, qk * qk_scale_log2, float("-inf"))
+        qk = tl.where((b * PS + tok)[None, :] <= p, qk * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(qk - m_new[:, None])
+        # a tile past the position (an own block's tail) can leave m at -inf: shift by 0 then, never by -inf
+        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m_i - m_use)
+        pr = tl.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
@@ -155,12 +161,14 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, p
 
 
 _LOG2E = 1.4426950408889634
+# launch options of the decode kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
+ATTN_LAUNCH = {"num_warps": 4, "num_stages": 2, "block_n": 128}
 
 
-def default_attn_splits(num_rows: int, num_kv_heads: int, max_blocks: int, device: torch.device) -> int:
-    """Splits of the block axis so that rows * kv_heads * splits covers the SMs about twice."""
+def default_attn_splits(num_rows: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
+    """Splits of the tile axis so that rows * kv_heads * splits covers the SMs about twice."""
     want = -(-2 * num_sms(device) // max(num_rows * num_kv_heads, 1))
-    return max(1, min(want, max_blocks))
+    return max(1, min(want, max_tiles))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -183,9 +191,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = hq // hkv
     sparse = block_ids is not None
     topk = block_ids.shape[-1] if sparse else 1
-    max_blocks = topk if sparse else page_tables.shape[1]
-    splits = num_splits or default_attn_splits(n, hkv, max_blocks, q.device)
-    splits = max(1, min(splits, max_blocks))
+    launch = dict(ATTN_LAUNCH)
+    block_n = min(launch.pop("block_n", ps), ps)
+    max_tiles = (topk if sparse else page_tables.shape[1]) * (ps // block_n)
+    splits = num_splits or default_attn_splits(n, hkv, max_tiles, q.device)
+    splits = max(1, min(splits, max_tiles))
     one = splits == 1
     if one:
         po = plse = out  # unused
@@ -206,8 +216,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
         bid_st[0], bid_st[1], out.stride(0), out.stride(1), *po_st, *pl_st,
         float(scale) * _LOG2E, splits,
-        G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
-        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, num_warps=4, num_stages=2)
+        G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
+        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, **launch)
     if not one:
         runnable(_merge_kernel, q.device)[(n, hq)](
             po, plse, out, *po_st, *pl_st, out.stride(0), out.stride(1), splits,

@@ -125,10 +125,38 @@ def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, ou
     tl.store(out_ptr + n * out_st_n + h * out_st_h + k, ids.to(tl.int32), mask=k < TOPK)
 
 
+# launch options of the score kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
+SCORE_LAUNCH = {"num_warps": 4, "num_stages": 3}
+TOPK_LAUNCH = {"num_warps": 4}
+
+
 def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> int:
     """Splits of the block axis so that rows * splits covers the SMs twice (capped by the blocks there are)."""
     want = -(-2 * num_sms(device) // max(num_rows, 1))
     return max(1, min(want, max_blocks))
+
+
+def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores, *, num_kv_splits=None):
+    """Block maxima of the decode rows into scores [N, Hi, max_pages] fp32; entries past a row's own block are
+    left unwritten (the selection masks them)."""
+    n, hi, di = q_idx.shape
+    ps = index_k_cache.shape[1]
+    splits = num_kv_splits or default_kv_splits(n, page_tables.shape[1], q_idx.device)
+    dot_fp32 = torch.float32 in (q_idx.dtype, index_k_cache.dtype)
+    runnable(_index_scores_kernel, q_idx.device)[(n, splits)](
+        q_idx, index_k_cache, page_tables, row_seq, positions, scores,
+        q_idx.stride(0), q_idx.stride(1), index_k_cache.stride(0), index_k_cache.stride(1), page_tables.stride(0),
+        scores.stride(0), scores.stride(1), splits,
+        HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, **SCORE_LAUNCH)
+
+
+def select_topk(scores, positions, out, topk, local_blocks, page_size):
+    """scores [N, Hi, max_pages] -> out [N, Hi, topk] int32 (ascending ids, -1 tail, local blocks forced)."""
+    n, hi, max_pages = scores.shape
+    runnable(_select_topk_kernel, scores.device)[(n, hi)](
+        scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
+        PS=page_size, TOPK=topk, BLOCK_NB=max(16, next_pow2(max_pages)), BLOCK_K=max(16, next_pow2(topk)),
+        **TOPK_LAUNCH)
 
 
 def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -153,17 +181,8 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
         raise ValueError(f"index_topk: index_head_dim {di} and page_size {ps} must be powers of two >= 16")
     if scores is None:
         scores = torch.empty((n, hi, max_pages), dtype=torch.float32, device=q_idx.device)
-    splits = num_kv_splits or default_kv_splits(n, max_pages, q_idx.device)
-    dot_fp32 = torch.float32 in (q_idx.dtype, index_k_cache.dtype)
-    dev = q_idx.device
-    runnable(_index_scores_kernel, dev)[(n, splits)](
-        q_idx, index_k_cache, page_tables, row_seq, positions, scores,
-        q_idx.stride(0), q_idx.stride(1), index_k_cache.stride(0), index_k_cache.stride(1), page_tables.stride(0),
-        scores.stride(0), scores.stride(1), splits,
-        HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, num_warps=4, num_stages=3)
-    runnable(_select_topk_kernel, dev)[(n, hi)](
-        scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
-        PS=ps, TOPK=topk, BLOCK_NB=max(16, next_pow2(max_pages)), BLOCK_K=max(16, next_pow2(topk)), num_warps=4)
+    index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores, num_kv_splits=num_kv_splits)
+    select_topk(scores, positions, out, topk, local_blocks, ps)
     return out
 
 
