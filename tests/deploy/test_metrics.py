@@ -169,3 +169,93 @@ def test_exposition_is_prometheus_text():
     text = sink.exposition().decode()
     assert "# TYPE ray_m3serve_time_to_first_token_seconds histogram" in text
     assert 'ray_m3serve_request_success_total{finished_reason="length",model_name="tiny"' in text
+
+
+# -- the Ray export path (real Ray, in a subprocess so it never meets the session's Serve cluster) -------------
+_RAY_SCRIPT = r'''
+import json, os, sys, time, urllib.request
+import ray
+from deploy.metrics import EngineMetrics
+from workers.stats import EngineStats, RequestStats, TransferStats
+
+port = int(sys.argv[1])
+ray.init(address="local", num_cpus=1, object_store_memory=256 * 2**20, include_dashboard=False,
+         _metrics_export_port=port, log_to_driver=False, configure_logging=False)
+
+@ray.remote(num_cpus=0.1)
+class Replica:
+    def __init__(self):
+        self.m = EngineMetrics("tiny", "decode", "7")  # default sink: ray.util.metrics
+
+    def feed(self, requests, engine, transfer):
+        for r in requests:
+            self.m.record_request(RequestStats(**r))
+        self.m.record_transfer(TransferStats(**transfer))
+        self.m.record_engine(EngineStats(**engine))
+
+    def refresh(self):
+        self.m.refresh_gauges()
+
+spec = json.loads(sys.stdin.read())
+rep = Replica.remote()
+ray.get(rep.feed.remote(spec["requests"], spec["engine"], spec["transfer"]))
+deadline = time.monotonic() + 60
+text = ""
+while time.monotonic() < deadline:
+    ray.get(rep.refresh.remote())  # gauges vanish unless re-set
+    time.sleep(0.5)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    if ("ray_m3serve_time_to_first_token_seconds_count" in text and "ray_m3serve_num_requests_running" in text
+            and "ray_m3serve_kv_transfer_bytes_count" in text and "ray_m3serve_request_failure_total" in text):
+        break
+print("\n".join(l for l in text.splitlines() if "m3serve" in l and not l.startswith("#")))
+ray.shutdown()
+'''
+
+
+def test_ray_export_names_labels_and_exact_counts(tmp_path):
+    """Through Ray's metrics agent: names `ray_m3serve_*`, our labels, exact counters and bucket counts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from tests.deploy.promhelp import free_port
+
+    requests = [dict(request_id=f"r{i}", role="decode", prompt_tokens=7 + i, generation_tokens=4,
+                     finished_reason="stop", arrival_time=ARRIVAL, first_scheduled_time=SCHEDULED,
+                     first_token_time=TOKEN_TIMES[0], finished_time=TOKEN_TIMES[-1], token_times=TOKEN_TIMES)
+                for i in range(3)]
+    requests.append(dict(request_id="bad", role="decode", prompt_tokens=2, failure_reason="timeout"))
+    engine = dict(role="decode", num_running=3, num_waiting=1, num_pages_total=8, num_pages_free=2,
+                  prefix_cache_queries=30, prefix_cache_hits=12)
+    transfer = dict(request_id="r0", num_bytes=5000, seconds=0.003, num_pages=2)
+    port = free_port()
+    env = {**os.environ, "RAY_metrics_report_interval_ms": "500", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", _RAY_SCRIPT, str(port)], input=json.dumps(
+        {"requests": requests, "engine": engine, "transfer": transfer}), capture_output=True, text=True,
+        timeout=150, env=env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = {}
+    for fam in text_string_to_metric_families(proc.stdout):
+        for s in fam.samples:
+            assert {"model_name": "tiny", "role": "decode", "replica": "7"}.items() <= s.labels.items(), s
+            key = (s.name, s.labels.get("le"), s.labels.get("finished_reason") or s.labels.get("reason"))
+            samples[key] = samples.get(key, 0.0) + s.value
+    assert samples[("ray_m3serve_request_success_total", None, "stop")] == 3
+    assert samples[("ray_m3serve_request_failure_total", None, "timeout")] == 1
+    assert samples[("ray_m3serve_prompt_tokens_total", None, None)] == 7 + 8 + 9 + 2
+    assert samples[("ray_m3serve_generation_tokens_total", None, None)] == 12
+    assert samples[("ray_m3serve_time_to_first_token_seconds_count", None, None)] == 3
+    assert samples[("ray_m3serve_inter_token_latency_seconds_count", None, None)] == 9
+    ttft_le = "0.5"  # TTFT 0.5 s: counted at le=0.5, not at le=0.25
+    assert samples[("ray_m3serve_time_to_first_token_seconds_bucket", ttft_le, None)] == 3
+    assert samples[("ray_m3serve_time_to_first_token_seconds_bucket", "0.25", None)] == 0
+    # Ray re-records observations at bucket midpoints: the sum is approximate, within the bucket's width
+    assert 3 * 0.25 <= samples[("ray_m3serve_time_to_first_token_seconds_sum", None, None)] <= 3 * 0.5
+    assert samples[("ray_m3serve_kv_transferred_bytes_total", None, None)] == 5000
+    assert samples[("ray_m3serve_kv_transfer_bytes_count", None, None)] == 1
+    assert samples[("ray_m3serve_num_requests_running", None, None)] == 3
+    assert samples[("ray_m3serve_kv_cache_usage_perc", None, None)] == pytest.approx(0.75)
+    assert samples[("ray_m3serve_prefix_cache_hits_total", None, None)] == 12
