@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from kernels import attention, index_topk as itk, paged_kv
-from paged_setup import make_case
 
 pytestmark = pytest.mark.gpu
 
@@ -16,13 +15,13 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def _decode_case(batch, length, seed, rows_per_request=1):
+def _decode_case(make, batch, length, seed, rows_per_request=1):
     # lengths around `length`, not multiples of the page size; verify rows sit at the last positions
     g = torch.Generator().manual_seed(seed)
     lens = [length - int(x) for x in torch.randint(0, 100, (batch,), generator=g)]
     lens = [n + 1 if n % PS == 0 else n for n in lens]
     rows = [(r, lens[r] - 1 - j) for r in range(batch) for j in range(rows_per_request)]
-    return make_case(context_lens=lens, rows=rows, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI,
+    return make(context_lens=lens, rows=rows, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI,
                      dtype=torch.bfloat16, device="cuda", seed=seed)
 
 
@@ -58,8 +57,8 @@ def test_gather_scatter_gpu():
 
 
 @pytest.mark.parametrize("batch,length,rows_per_request", [(1, 8700, 1), (16, 8700, 1), (4, 20000, 3)])
-def test_index_topk_gpu(batch, length, rows_per_request):
-    case = _decode_case(batch, length, seed=batch, rows_per_request=rows_per_request)
+def test_index_topk_gpu(paged_case, batch, length, rows_per_request):
+    case = _decode_case(paged_case, batch, length, seed=batch, rows_per_request=rows_per_request)
     n = case.row_seq.numel()
     q = torch.randn(n, HI, DI, device="cuda").bfloat16()
     args = (q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, TOPK, 1)
@@ -70,8 +69,8 @@ def test_index_topk_gpu(batch, length, rows_per_request):
 
 
 @pytest.mark.parametrize("batch,length,rows_per_request", [(1, 3000, 1), (16, 8700, 1), (4, 9000, 3)])
-def test_attention_gpu(batch, length, rows_per_request):
-    case = _decode_case(batch, length, seed=10 + batch, rows_per_request=rows_per_request)
+def test_attention_gpu(paged_case, batch, length, rows_per_request):
+    case = _decode_case(paged_case, batch, length, seed=10 + batch, rows_per_request=rows_per_request)
     n = case.row_seq.numel()
     q = torch.randn(n, HQ, D, device="cuda").bfloat16()
     qi = torch.randn(n, HKV, DI, device="cuda").bfloat16()
@@ -86,9 +85,9 @@ def test_attention_gpu(batch, length, rows_per_request):
     assert _rel(attention.dense_attention(*args, D ** -0.5, num_prefill_rows=1), want) < 1e-2
 
 
-def test_decode_step_captures_in_a_cuda_graph():
+def test_decode_step_captures_in_a_cuda_graph(paged_case):
     # write -> index top-k -> sparse attention, captured once, replayed on new inputs written into the same buffers
-    case = _decode_case(8, 5000, seed=3)
+    case = _decode_case(paged_case, 8, 5000, seed=3)
     n = case.row_seq.numel()
     k_new = torch.empty(n, HKV, D, device="cuda", dtype=torch.bfloat16)
     v_new, ik_new = torch.empty_like(k_new), torch.empty(n, DI, device="cuda", dtype=torch.bfloat16)

@@ -18,7 +18,6 @@ import pytest  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kernels import attention, index_topk as itk, paged_kv  # noqa: E402
-from paged_setup import make_case  # noqa: E402
 
 if torch.cuda.is_available():
     pytest.skip("CUDA machine: Triton compiles for the GPU here (see test_kernels_gpu.py)", allow_module_level=True)
@@ -99,9 +98,9 @@ _ROWS = [(0, 6), (1, 3 * PS - 1), (1, 3 * PS - 2), (2, 5 * PS + 2), (2, 4 * PS +
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5, None])
-def test_index_topk_matches_ref_at_every_split_count(splits, nan_poison):
+def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, nan_poison):
     poison_, _ = nan_poison
-    case = make_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=4)
+    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=4)
     q = torch.randn(len(_ROWS), 3, DI, generator=torch.Generator().manual_seed(5))
     for topk, local in ((3, 1), (4, 2)):
         want = itk.index_topk_ref(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local)
@@ -112,10 +111,10 @@ def test_index_topk_matches_ref_at_every_split_count(splits, nan_poison):
     assert (want == -1).any() and (want >= 0).any()  # the case covers padding and real picks
 
 
-def test_index_topk_ties_go_to_the_lower_block():
+def test_index_topk_ties_go_to_the_lower_block(paged_case):
     # integer data: exact dot products, many equal block maxima
     gen = torch.Generator().manual_seed(6)
-    case = make_case(context_lens=[9 * PS + 5], rows=[(0, 9 * PS + 4), (0, 6 * PS)], page_size=PS, kv_heads=HKV,
+    case = paged_case(context_lens=[9 * PS + 5], rows=[(0, 9 * PS + 4), (0, 6 * PS)], page_size=PS, kv_heads=HKV,
                      head_dim=D, index_dim=DI, seed=7)
     ikc = torch.randint(0, 2, case.index_k_cache.shape, generator=gen).float()
     q = torch.ones(2, 2, DI)
@@ -131,8 +130,8 @@ def test_index_topk_ties_go_to_the_lower_block():
     assert want[0, 0].tolist() == [0, 1, 2, 9]  # every score equal: lowest ids, plus the forced own block
 
 
-def test_index_topk_mixed_batch_and_fp16():
-    case = make_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=8,
+def test_index_topk_mixed_batch_and_fp16(paged_case):
+    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=8,
                      dtype=torch.float16)
     q = torch.randn(len(_ROWS), 2, DI, generator=torch.Generator().manual_seed(9)).half()
     want = itk.index_topk_ref(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, 3, 1)
@@ -148,9 +147,9 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_sparse_attention_matches_ref_with_empty_splits(splits, nan_poison):
+def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, nan_poison):
     poison_, assert_all_written = nan_poison
-    case = make_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=10)
+    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=10)
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(len(_ROWS), 2 * HKV, D, generator=gen)
     block_ids = itk.index_topk_ref(torch.randn(len(_ROWS), HKV, DI, generator=gen), case.index_k_cache,
@@ -166,9 +165,9 @@ def test_sparse_attention_matches_ref_with_empty_splits(splits, nan_poison):
 
 
 @pytest.mark.parametrize("splits", [1, 3, None])
-def test_dense_attention_matches_ref(splits, nan_poison):
+def test_dense_attention_matches_ref(paged_case, splits, nan_poison):
     poison_, assert_all_written = nan_poison
-    case = make_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=12)
+    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=12)
     q = torch.randn(len(_ROWS), 4 * HKV, D, generator=torch.Generator().manual_seed(13))
     want = attention.paged_attention_ref(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq,
                                          case.positions, 0.25)
@@ -179,8 +178,8 @@ def test_dense_attention_matches_ref(splits, nan_poison):
     assert _rel(out, want) < 1e-5
 
 
-def test_attention_launchers_mixed_batch_fp16():
-    case = make_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=14,
+def test_attention_launchers_mixed_batch_fp16(paged_case):
+    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=14,
                      dtype=torch.float16)
     gen = torch.Generator().manual_seed(15)
     q = torch.randn(len(_ROWS), 2 * HKV, D, generator=gen).half()
@@ -195,9 +194,9 @@ def test_attention_launchers_mixed_batch_fp16():
     assert _rel(got, want) < 2e-3
 
 
-def test_sparse_equals_dense_when_every_block_is_selected():
+def test_sparse_equals_dense_when_every_block_is_selected(paged_case):
     # with <= topk visible blocks a sparse layer is dense causal attention (M3_SPEC §3)
-    case = make_case(context_lens=[3 * PS + 2], rows=[(0, 3 * PS + 1), (0, 2 * PS)], page_size=PS, kv_heads=HKV,
+    case = paged_case(context_lens=[3 * PS + 2], rows=[(0, 3 * PS + 1), (0, 2 * PS)], page_size=PS, kv_heads=HKV,
                      head_dim=D, index_dim=DI, seed=16)
     q = torch.randn(2, 2 * HKV, D, generator=torch.Generator().manual_seed(17))
     block_ids = torch.tensor([[[0, 1, 2, 3]] * HKV, [[0, 1, 2, -1]] * HKV], dtype=torch.int32)

@@ -1,9 +1,19 @@
-"""Random paged-cache fixtures for the kernel tests: shuffled page tables, contexts of any length, query rows."""
+"""Kernel-test fixtures: random paged caches with shuffled page tables, contexts of any length, query rows.
+
+(A fixture rather than a helper module: tests run with --import-mode=importlib, so test folders are not on sys.path.)
+"""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import pytest
 import torch
+
+# The interpreter tests need TRITON_INTERPRET=1 before triton is first imported (jit decorators read it when they
+# run); this conftest loads before any test module of this folder. Without CUDA, Triton can only interpret anyway.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,3 +55,9 @@ def make_case(*, context_lens: list[int], rows: list[tuple[int, int]], page_size
         row_seq=torch.tensor([r for r, _ in rows], dtype=torch.int32, device=device),
         positions=torch.tensor([p for _, p in rows], dtype=torch.int64, device=device),
     )
+
+
+@pytest.fixture
+def paged_case():
+    """`paged_case(context_lens=..., rows=..., page_size=..., ...) -> PagedCase` (see make_case)."""
+    return make_case
