@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 
@@ -342,10 +343,14 @@ class EngineReporter:
     test) can flush synchronously, e.g. right before it reports a request as done.
     """
 
-    def __init__(self, engine: Any, metrics: EngineMetrics, *, interval_s: float = 0.5) -> None:
+    def __init__(self, engine: Any, metrics: EngineMetrics, *, interval_s: float = 0.5,
+                 keep_requests: int = 4096) -> None:
         self.engine = engine
         self.metrics = metrics
         self.interval_s = interval_s
+        # The engine's pop_request_stats() has one consumer (this reporter); whoever else wants the finished
+        # requests (the router's admin view, tests) drains them from here.
+        self._recent: deque[RequestStats] = deque(maxlen=keep_requests)
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -356,9 +361,17 @@ class EngineReporter:
                 self.metrics.record_step(step)
             for req in _call_optional(self.engine, "pop_request_stats"):
                 self.metrics.record_request(req)
+                self._recent.append(req)
             for tr in _call_optional(self.engine, "pop_transfer_stats"):
                 self.metrics.record_transfer(tr)
             self.metrics.record_engine(self.engine.stats())
+
+    def drain_requests(self) -> list[RequestStats]:
+        """The finished requests recorded since the last drain (at most `keep_requests`), oldest first."""
+        with self._tick_lock:
+            out = list(self._recent)
+            self._recent.clear()
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -259,3 +259,31 @@ def test_ray_export_names_labels_and_exact_counts(tmp_path):
     assert samples[("ray_m3serve_num_requests_running", None, None)] == 3
     assert samples[("ray_m3serve_kv_cache_usage_perc", None, None)] == pytest.approx(0.75)
     assert samples[("ray_m3serve_prefix_cache_hits_total", None, None)] == 12
+
+
+def test_reporter_feeds_metrics_from_a_real_engine_and_keeps_requests_for_others(tmp_path):
+    """EngineReporter against the real CPU engine on the tiny model: one request's stats reach the metrics."""
+    engine_mod = pytest.importorskip("workers.engine")
+    from deploy.metrics import EngineReporter
+    from workers.config import EngineConfig
+    from workers.models import tiny_model_dir
+    from workers.request import SamplingParams
+
+    engine = engine_mod.Engine(str(tiny_model_dir()), engine_config=EngineConfig(max_model_len=64, num_pages=32),
+                               device="cpu")
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    sink = PrometheusClientSink()
+    reporter = EngineReporter(engine, EngineMetrics("tiny", "unified", 0, sink=sink))
+    reporter.tick()
+    assert _sample(sink, "ray_m3serve_prompt_tokens_total", **_labels()) == 4
+    assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 3
+    assert _sample(sink, "ray_m3serve_time_to_first_token_seconds_count", **_labels()) == 1
+    assert _sample(sink, "ray_m3serve_inter_token_latency_seconds_count", **_labels()) == 2
+    assert _sample(sink, "ray_m3serve_engine_step_seconds_count", **_labels()) >= 3
+    assert _sample(sink, "ray_m3serve_num_requests_running", **_labels()) == 0
+    assert [r.request_id for r in reporter.drain_requests()] == ["a"]
+    assert reporter.drain_requests() == []
+    reporter.tick()  # nothing new: counters unchanged
+    assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 3
