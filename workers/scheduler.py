@@ -158,7 +158,7 @@ class Scheduler:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         prompt = [int(t) for t in prompt_token_ids]
-        max_tokens = self._validate(prompt, params)
+        max_tokens = self.validate(prompt, params)
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
                       arrival_time=self.clock() if arrival_time is None else arrival_time)
         for i in range(params.n):
@@ -169,7 +169,9 @@ class Scheduler:
         self.waiting.append(req.seqs[0])
         return req
 
-    def _validate(self, prompt: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's effective max_tokens; ValueError naming the field if it can never be served.
+        Reads only configuration, so it is safe to call from another thread."""
         cfg = self.config
         if not prompt:
             raise ValueError("prompt_token_ids: the prompt is empty")

@@ -1,0 +1,80 @@
+"""Scheduler output -> the step batch a shard runs: token ids, `ChunkSpec`s and the rows to sample.
+
+`StepBatch` is plain data (lists, frozen dataclasses) so it pickles cheaply to a shard actor; the shard turns it
+into `AttentionMetadata` with `msa.metadata.build_metadata` on its own device (`to_metadata`). Sampling state
+that must persist across steps (a seeded request's RNG) lives on the shard, keyed by sequence id.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from msa.metadata import AttentionMetadata, ChunkSpec, build_metadata
+from workers.pages import PageManager
+from workers.request import SamplingParams
+from workers.sampler import suppressed_token_ids
+from workers.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SampleRow:
+    """One sequence to sample this step. Token lists are filled only when a penalty needs them."""
+
+    seq_id: int
+    sample_index: int  # which of the request's n samples (its seed is params.seed + sample_index)
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    suppressed_ids: list[int]  # EOS / stop ids while fewer than min_tokens exist
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepBatch:
+    """One step for a shard. `input_ids[T]` in chunk order (prefill chunks first, decode rows last);
+    `sample_chunks[i]` is the chunk whose last token's logits give `rows[i]` its next token."""
+
+    input_ids: list[int]
+    chunks: list[ChunkSpec]
+    sample_chunks: list[int]
+    rows: list[SampleRow]
+    released_seq_ids: list[int]  # sequences gone since the last step: the shard drops their RNG state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def to_metadata(self, page_size: int, device) -> AttentionMetadata:
+        return build_metadata(self.chunks, page_size, device)
+
+
+def _row(seq, eos_token_ids: Iterable[int]) -> SampleRow:
+    p = seq.request.params
+    needs_prompt = p.repetition_penalty != 1.0
+    needs_output = needs_prompt or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    n_out = seq.num_output_tokens
+    return SampleRow(
+        seq_id=seq.seq_id,
+        sample_index=seq.index,
+        params=p,
+        prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if needs_prompt else [],
+        output_token_ids=seq.output_token_ids if needs_output else [],
+        suppressed_ids=suppressed_token_ids(p, n_out, eos_token_ids) if n_out < p.min_tokens else [],
+    )
+
+
+def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids: Sequence[int] = (),
+                     released_seq_ids: Sequence[int] = ()) -> StepBatch:
+    """Flatten one scheduler output. Page tables are copied: the live lists keep growing after this step."""
+    input_ids: list[int] = []
+    chunks: list[ChunkSpec] = []
+    sample_chunks: list[int] = []
+    rows: list[SampleRow] = []
+    for i, c in enumerate(out.chunks):
+        seq = c.seq
+        input_ids.extend(seq.token_ids[c.start:c.start + c.num_tokens])
+        chunks.append(ChunkSpec(list(pages.page_table(seq.seq_id)), c.start, c.num_tokens, c.is_decode))
+        if c.sample:
+            sample_chunks.append(i)
+            rows.append(_row(seq, eos_token_ids))
+    return StepBatch(input_ids=input_ids, chunks=chunks, sample_chunks=sample_chunks, rows=rows,
+                     released_seq_ids=list(released_seq_ids))

@@ -1,0 +1,125 @@
+"""The model runner: owns one shard's model and KV pages on one device, runs a step's forward and samples.
+
+The runner is what a `ShardWorker` actor wraps; with one shard the engine may call it in-process.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from msa.config import M3Config, load_config
+from msa.kv_cache import KVCache
+from msa.model import load_model
+from msa.parallel import ParallelContext
+from workers.batch import StepBatch
+from workers.config import EngineConfig
+from workers.sampler import Sampler, SamplingBatch, make_generator
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(engine_dtype: str, config: M3Config, device: torch.device) -> torch.dtype:
+    """'auto' = the checkpoint's dtype on an accelerator, float32 on CPU (CPU bf16 matmuls are slow and the
+    CPU tier exists to check exactness)."""
+    if engine_dtype != "auto":
+        return _DTYPES[engine_dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(config.torch_dtype, torch.bfloat16)
+
+
+def kv_pool_pages(config: M3Config, engine_config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                  ctx: ParallelContext | None = None) -> int:
+    """How many pages this shard's KV pool gets: `num_pages` if set; on CUDA `gpu_memory_utilization` of the
+    memory still free after the weights; elsewhere the `kv_cache_bytes` budget. Call after loading weights."""
+    if engine_config.num_pages is not None:
+        return engine_config.num_pages
+    per_page = KVCache.bytes_per_page(config, dtype, ctx)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int(free * engine_config.gpu_memory_utilization)
+    else:
+        budget = engine_config.kv_cache_bytes
+    pages = budget // per_page
+    if pages < 1:
+        raise ValueError(f"kv_cache_bytes: the KV budget ({budget} B) holds no page of {per_page} B")
+    return pages
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    """What a shard returns for a step: one entry per `StepBatch.rows` row."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: sampled token + top-N, None where not requested
+    forward_time: float  # seconds in the model forward + logits (device synchronised)
+    sample_time: float  # seconds building the sampling batch and sampling
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, device: str | torch.device = "cpu",
+                 ctx: ParallelContext | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        config = load_config(model_dir)
+        self.dtype = resolve_dtype(engine_config.dtype, config, self.device)
+        self.model = load_model(model_dir, device=self.device, dtype=self.dtype, ctx=ctx)
+        self.config = self.model.config
+        self.num_pages = kv_pool_pages(self.config, engine_config, self.device, self.dtype, ctx)
+        self.kv = KVCache.allocate(self.config, self.num_pages, device=self.device, dtype=self.dtype, ctx=ctx)
+        self.page_size = self.kv.page_size
+        # Unseeded rows draw from this engine-seeded generator; seeded rows get their own (see sampler).
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
+        self._generators: dict[int, torch.Generator] = {}
+
+    def info(self) -> dict:
+        return {"num_pages": self.num_pages, "page_size": self.page_size, "dtype": str(self.dtype),
+                "device": str(self.device),
+                "kv_bytes": self.num_pages * KVCache.bytes_per_page(self.config, self.dtype)}
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        for sid in batch.released_seq_ids:
+            self._generators.pop(sid, None)
+        if not batch.chunks:
+            return StepResult(token_ids=[], logprobs=[], forward_time=0.0, sample_time=0.0)
+        t0 = time.perf_counter()
+        meta = batch.to_metadata(self.page_size, self.device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, meta, self.kv)
+        logits = None
+        if batch.rows:
+            # logits_indices holds each chunk's last token; only the sampling chunks need the LM head.
+            rows = meta.logits_indices[torch.tensor(batch.sample_chunks, dtype=torch.int64).to(self.device)]
+            logits = self.model.compute_logits(hidden[rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = time.perf_counter()
+        if logits is None:
+            return StepResult(token_ids=[], logprobs=[], forward_time=t1 - t0, sample_time=0.0)
+        out, num_logprobs = self._sample(logits, batch)
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprob_dicts(num_logprobs) if any(k is not None for k in num_logprobs) else \
+            [None] * len(token_ids)
+        return StepResult(token_ids=token_ids, logprobs=logprobs, forward_time=t1 - t0,
+                          sample_time=time.perf_counter() - t1)
+
+    def _sample(self, logits: torch.Tensor, batch: StepBatch):
+        rows = batch.rows
+        params = [r.params for r in rows]
+        generators = [self._generator(r) for r in rows]
+        sb = SamplingBatch.build(params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
+                                 generators, self.device, suppressed_ids=[r.suppressed_ids for r in rows])
+        return self.sampler(logits, sb), [p.logprobs for p in params]
+
+    def _generator(self, row) -> torch.Generator | None:
+        if row.params.seed is None:
+            return None
+        gen = self._generators.get(row.seq_id)
+        if gen is None:
+            gen = self._generators[row.seq_id] = make_generator(row.params.seed, row.sample_index, self.device)
+        return gen
