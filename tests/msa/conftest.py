@@ -97,3 +97,13 @@ def mh():
 
     return types.SimpleNamespace(tiny_config=tiny_config, random_ids=random_ids, shuffled_pages=shuffled_pages,
                                  prefill_logits=prefill_logits, max_rel_err=max_rel_err)
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny shapes gain nothing from intra-op threads, and on a shared 2-core machine their spinning made the
+    decode loops ~30x slower; run each test single-threaded and restore the setting after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
