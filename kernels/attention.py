@@ -162,12 +162,13 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, p
 
 _LOG2E = 1.4426950408889634
 # launch options of the decode kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
-ATTN_LAUNCH = {"num_warps": 4, "num_stages": 2, "block_n": 128}
+ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128}
 
 
 def default_attn_splits(num_rows: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
-    """Splits of the tile axis so that rows * kv_heads * splits covers the SMs about twice."""
-    want = -(-2 * num_sms(device) // max(num_rows * num_kv_heads, 1))
+    """Splits of the tile axis: rows * kv_heads * splits ~ the SM count (one wave of one CTA per SM, the K/V
+    tiles filling its shared memory; H200 sweep in docs/benchmarks.md), capped by the tiles there are."""
+    want = -(-num_sms(device) // max(num_rows * num_kv_heads, 1))
     return max(1, min(want, max_tiles))
 
 

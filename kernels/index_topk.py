@@ -127,12 +127,13 @@ def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, ou
 
 # launch options of the score kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
 SCORE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-TOPK_LAUNCH = {"num_warps": 4}
+TOPK_LAUNCH = {"num_warps": None}  # None: by the block count
 
 
 def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> int:
-    """Splits of the block axis so that rows * splits covers the SMs twice (capped by the blocks there are)."""
-    want = -(-2 * num_sms(device) // max(num_rows, 1))
+    """Splits of the block axis: rows * splits ~ 4x the SMs, capped by the blocks there are (H200 sweep,
+    docs/benchmarks.md: 68/34/10 splits were best at B = 1/16/64, both 8.7k and 131k tokens)."""
+    want = -(-4 * num_sms(device) // max(num_rows, 1))
     return max(1, min(want, max_blocks))
 
 
@@ -153,10 +154,13 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
 def select_topk(scores, positions, out, topk, local_blocks, page_size):
     """scores [N, Hi, max_pages] -> out [N, Hi, topk] int32 (ascending ids, -1 tail, local blocks forced)."""
     n, hi, max_pages = scores.shape
+    block_nb = max(16, next_pow2(max_pages))
+    # one warp per selection while the row fits in a few registers per lane: the 16 arg-max rounds are then
+    # shuffles only, no shared-memory round trips (H200: 1 warp best up to 128 blocks, 4 warps at 1024)
     runnable(_select_topk_kernel, scores.device)[(n, hi)](
         scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
-        PS=page_size, TOPK=topk, BLOCK_NB=max(16, next_pow2(max_pages)), BLOCK_K=max(16, next_pow2(topk)),
-        **TOPK_LAUNCH)
+        PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=max(16, next_pow2(topk)),
+        num_warps=TOPK_LAUNCH.get("num_warps") or (1 if block_nb <= 256 else 4))
 
 
 def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
