@@ -1,0 +1,831 @@
+"""KV transfer between a prefill shard and a decode shard: `KVSender` / `KVReceiver` (DESIGN.md §4).
+
+What travels, for one request: its pages of every layer, K and V (the KV-head range the route assigns) and the
+index-K of sparse layers (one head, replicated on every tp rank, so exactly one route per receiving shard carries
+it). Pages are matched by position: page `page_ids[i]` on the sender lands in `page_ids[i]` on the receiver.
+
+How it travels, per request and pair (one worker thread per pair on each side, so messages of different
+requests never interleave and both sides post them in the same order):
+  1. sender: header (JSON: request id, page count, layers, head range, dims, dtype, chunk cap) -> store key h<seq>
+  2. sender: gathers the pages of all layers and both families into a few contiguous staging buffers, each at
+     most `max_chunk_bytes` (one large message moves ~15x faster than 1 MiB ones on NCCL, PERF.md), and sends
+     them point-to-point right behind the header; receiver: reads the header, checks it against what it
+     prepared, receives the chunks and scatters each into its own page ids.
+  3. receiver: status (ok / reason) -> store key s<seq>; the sender's transfer is DONE when it reads "ok".
+A header that does not match (unknown or aborted request, wrong page count, head range, dims or dtype) is not
+an error of the wire: the receiver drains the payload into scratch memory, so the pair stays in step, and both
+sides end FAILED with the reason. A timeout or a dead peer in the middle of a payload breaks the pair: the
+operation and every later one on that pair end FAILED ("pair_broken"); the wiring layer makes a new pair.
+
+States (`TransferState`): PENDING (prepared / queued) -> TRANSFERRING (header sent / received) -> DONE | FAILED.
+Pages may be freed (both sides) once a request is *settled*: every pair operation of it is DONE or FAILED.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernels.paged_kv import scatter_pages
+from msa.kv_cache import KVCache
+from workers.stats import TransferStats
+from workers.transport import PairChannel, PeerGone, TransferError, TransferTimeout
+
+_CLOSE = b"__close__"
+_HEADER_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferConfig:
+    """Knobs of the transfer engine (timeouts in seconds)."""
+
+    timeout_s: float = 30.0  # one transfer, from its header to its status
+    receive_timeout_s: float = 600.0  # how long a prepared receive waits for its header (prefill queue + compute)
+    connect_timeout_s: float = 120.0  # building a pair (both sides must join)
+    idle_wait_s: float = 300.0  # a receiving worker re-arms its header wait this often
+    max_chunk_bytes: int = 64 * 2**20  # staging buffer (= message) size cap
+    max_inflight_chunks: int = 4  # staging buffers alive at once per pair (bounds staging memory)
+    verify_checksum: bool = False  # sum the staged words on both sides (costs one extra read of the payload)
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        if self.max_chunk_bytes < 1:
+            raise ValueError("max_chunk_bytes: must be >= 1")
+        if self.max_inflight_chunks < 1:
+            raise ValueError("max_inflight_chunks: must be >= 1")
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+# ---- which shard sends which KV heads to which shard (pure) ------------------------------------------------
+def kv_heads_of_rank(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
+    """(first KV head, count) tp rank `rank` holds; the same split as msa.parallel.ParallelContext.kv_head_range
+    (heads are replicated on tp / num_kv_heads consecutive ranks when tp > num_kv_heads)."""
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank: {rank} is not a rank of tp={tp}")
+    if num_kv_heads >= tp:
+        if num_kv_heads % tp:
+            raise ValueError(f"num_key_value_heads: {num_kv_heads} does not split over tp={tp}")
+        per = num_kv_heads // tp
+        return rank * per, per
+    if tp % num_kv_heads:
+        raise ValueError(f"tp: {tp} must be a multiple of num_key_value_heads={num_kv_heads} to replicate")
+    return rank // (tp // num_kv_heads), 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Route:
+    """Sender tp rank `src` sends global KV heads [head_start, head_end) (and the index-K pages when
+    `with_index`) to receiver tp rank `dst`."""
+
+    src: int
+    dst: int
+    head_start: int
+    head_end: int
+    with_index: bool
+
+    @property
+    def num_heads(self) -> int:
+        return self.head_end - self.head_start
+
+
+def plan_routes(num_kv_heads: int, src_tp: int, dst_tp: int) -> list[Route]:
+    """Every receiver rank gets each of its KV heads from exactly one sender rank, and the index-K from exactly
+    one (its first route). A head replicated on several sender ranks is taken from replica `dst % replicas`, so
+    equal layouts map rank i -> rank i and no sender is picked for everything. Sorted by (dst, head_start)."""
+    owners: list[list[int]] = [[] for _ in range(num_kv_heads)]
+    for s in range(src_tp):
+        first, count = kv_heads_of_rank(num_kv_heads, src_tp, s)
+        for h in range(first, first + count):
+            owners[h].append(s)
+    routes: list[Route] = []
+    for d in range(dst_tp):
+        first, count = kv_heads_of_rank(num_kv_heads, dst_tp, d)
+        picks = [(h, owners[h][d % len(owners[h])]) for h in range(first, first + count)]
+        start = 0
+        for i in range(1, len(picks) + 1):  # merge runs of consecutive heads taken from the same sender
+            if i == len(picks) or picks[i][1] != picks[start][1]:
+                routes.append(Route(src=picks[start][1], dst=d, head_start=picks[start][0],
+                                    head_end=picks[i - 1][0] + 1, with_index=start == 0))
+                start = i
+    return routes
+
+
+# ---- the header and the chunk plan (pure) -----------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class KVHeader:
+    """What a payload holds; both sides derive the identical chunk plan from it."""
+
+    request_id: str
+    num_pages: int
+    num_layers: int
+    page_size: int
+    head_start: int
+    head_end: int
+    head_dim: int
+    index_dim: int  # 0 when no index-K pages travel on this route
+    index_layers: tuple[int, ...]  # layers whose index-K pages travel, ascending
+    dtype: str  # e.g. "torch.bfloat16"
+    element_size: int
+    max_chunk_bytes: int
+    checksum: bool
+    version: int = _HEADER_VERSION
+
+    def encode(self) -> bytes:
+        return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()},
+                          sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> KVHeader:
+        try:
+            d = json.loads(raw)
+            d["index_layers"] = tuple(d["index_layers"])
+            return cls(**d)
+        except Exception as exc:
+            raise ValueError(f"undecodable KV header {raw[:120]!r}: {exc}") from exc
+
+    def pieces(self) -> list[tuple[str, int, int]]:
+        """(family, layer, bytes of one page) in payload order: per layer K, V, then index-K if it travels."""
+        kv_page = self.page_size * (self.head_end - self.head_start) * self.head_dim * self.element_size
+        out = []
+        for layer in range(self.num_layers):
+            out += [("k", layer, kv_page), ("v", layer, kv_page)]
+            if layer in self.index_layers:
+                out.append(("i", layer, self.page_size * self.index_dim * self.element_size))
+        return out
+
+    def total_bytes(self) -> int:
+        return self.num_pages * sum(p[2] for p in self.pieces())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Pages [page_lo, page_hi) of payload piece `piece`, at byte `offset` of its chunk."""
+
+    piece: int
+    page_lo: int
+    page_hi: int
+    offset: int
+
+
+def plan_chunks(page_bytes: Sequence[int], num_pages: int, max_chunk_bytes: int) -> list[list[Segment]]:
+    """Cut the payload (pieces in order, each `num_pages` rows of `page_bytes[piece]`) into chunks of at most
+    `max_chunk_bytes`, at page-row boundaries (a single row larger than the cap travels alone)."""
+    chunks: list[list[Segment]] = []
+    cur: list[Segment] = []
+    used = 0
+    for piece, row in enumerate(page_bytes):
+        lo = 0
+        while lo < num_pages:
+            fit = (max_chunk_bytes - used) // row
+            if fit == 0 and cur:
+                chunks.append(cur)
+                cur, used = [], 0
+                continue
+            hi = min(num_pages, lo + max(fit, 1))
+            cur.append(Segment(piece, lo, hi, used))
+            used += (hi - lo) * row
+            lo = hi
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def chunk_nbytes(chunk: list[Segment], page_bytes: Sequence[int]) -> int:
+    last = chunk[-1]
+    return last.offset + (last.page_hi - last.page_lo) * page_bytes[last.piece]
+
+
+def _words_sum(buf: torch.Tensor) -> int:
+    """A cheap checksum of a uint8 staging buffer: the sum of its 32-bit (or byte) words."""
+    words = buf.view(torch.int32) if buf.numel() % 4 == 0 else buf
+    return int(words.sum(dtype=torch.int64).item())
+
+
+# ---- bookkeeping shared by both ends ----------------------------------------------------------------------
+@dataclass(kw_only=True)
+class _Op:
+    """One request on one pair."""
+
+    request_id: str
+    peer: str
+    page_ids: torch.Tensor  # [n] int64 on the cache's device
+    created: float
+    state: TransferState = TransferState.PENDING
+    reason: str | None = None
+    started: float | None = None
+    finished: float | None = None
+    num_bytes: int = 0
+    aborted: bool = False
+    ready_event: Any = None  # sender on CUDA: the caller's stream has produced the pages by then
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferResult:
+    """The state of one request over all its pairs on this end.
+
+    state: FAILED if any pair failed, DONE if all are done, TRANSFERRING if any started, else PENDING.
+    settled: every pair operation is DONE or FAILED (the request's pages may be freed on this end).
+    """
+
+    request_id: str
+    state: TransferState
+    settled: bool
+    reason: str | None = None
+    num_bytes: int = 0
+    seconds: float = 0.0
+    num_pages: int = 0
+
+
+class _Endpoint:
+    """Ops of every request on this end, their states, and the pair workers."""
+
+    role = "?"
+
+    def __init__(self, kv: KVCache, *, kv_head_start: int, config: TransferConfig) -> None:
+        self.kv = kv
+        self.config = config
+        self.kv_head_start = kv_head_start
+        self.num_local_heads = kv.k[0].shape[2]
+        self.device = kv.k[0].device
+        self.dtype = kv.k[0].dtype
+        self.index_layers = tuple(i for i, t in enumerate(kv.index_k) if t is not None)
+        self._ops: dict[str, dict[str, _Op]] = {}
+        self._cond = threading.Condition()
+        self._workers: dict[str, _PairWorker] = {}
+        self._stats: list[TransferStats] = []
+
+    # --- peers ---
+    def _check_route(self, route: Route) -> None:
+        lo, hi = self.kv_head_start, self.kv_head_start + self.num_local_heads
+        if not lo <= route.head_start < route.head_end <= hi:
+            raise ValueError(f"route: heads [{route.head_start}, {route.head_end}) are not within this shard's "
+                             f"heads [{lo}, {hi})")
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every pair is open; raises TransferError naming a pair that failed to open."""
+        deadline = time.monotonic() + (timeout_s or self.config.connect_timeout_s)
+        for name, w in self._workers.items():
+            if not w.ready.wait(max(deadline - time.monotonic(), 0)):
+                raise TransferTimeout(f"pair {name} not open in time")
+            if w.broken:
+                raise TransferError("pair_broken", f"pair {name}: {w.broken}")
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._workers)
+
+    def broken_peers(self) -> dict[str, str]:
+        return {n: w.broken for n, w in self._workers.items() if w.broken}
+
+    # --- states ---
+    def _finish(self, op: _Op, state: TransferState, reason: str | None = None) -> None:
+        """Settle one op (caller holds no lock)."""
+        with self._cond:
+            if op.state.final:
+                return
+            if op.aborted:
+                state, reason = TransferState.FAILED, "aborted"
+            op.state, op.reason, op.finished = state, reason, time.monotonic()
+            if op.started is not None:
+                self._stats.append(TransferStats(request_id=op.request_id, num_bytes=op.num_bytes,
+                                                 seconds=op.finished - op.started, num_pages=op.page_ids.numel(),
+                                                 ok=state is TransferState.DONE))
+            self._cond.notify_all()
+
+    def _expire(self) -> None:
+        """Fail prepared receives whose header never came (called with the lock held)."""
+
+    def _result(self, request_id: str) -> TransferResult:
+        self._expire()
+        ops = self._ops.get(request_id)
+        if not ops:
+            raise KeyError(f"request_id: {request_id!r} has no transfer on this {self.role}")
+        states = [op.state for op in ops.values()]
+        failed = [op for op in ops.values() if op.state is TransferState.FAILED]
+        if failed:
+            state = TransferState.FAILED
+        elif all(s is TransferState.DONE for s in states):
+            state = TransferState.DONE
+        elif any(s is not TransferState.PENDING for s in states):
+            state = TransferState.TRANSFERRING
+        else:
+            state = TransferState.PENDING
+        starts = [op.started for op in ops.values() if op.started is not None]
+        ends = [op.finished for op in ops.values() if op.finished is not None]
+        seconds = (max(ends) - min(starts)) if starts and ends and all(s.final for s in states) else 0.0
+        reason = "; ".join(f"{op.peer}: {op.reason}" for op in failed) or None
+        return TransferResult(request_id=request_id, state=state, settled=all(s.final for s in states),
+                              reason=reason, num_bytes=sum(op.num_bytes for op in ops.values()), seconds=seconds,
+                              num_pages=next(iter(ops.values())).page_ids.numel())
+
+    def state(self, request_id: str) -> TransferState:
+        with self._cond:
+            return self._result(request_id).state
+
+    def result(self, request_id: str) -> TransferResult:
+        with self._cond:
+            return self._result(request_id)
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> TransferResult:
+        """Block until the request is settled on this end (or `timeout_s` passes); returns its result."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                res = self._result(request_id)
+                if res.settled:
+                    return res
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return res
+                # wake at least every 50 ms so receive deadlines are applied while we wait
+                self._cond.wait(0.05 if left is None else min(left, 0.05))
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (client gone). PENDING ops end FAILED("aborted") at once; an op mid-payload finishes
+        moving its bytes (stopping halfway would desynchronise the pair) and then ends FAILED("aborted").
+        Returns whether the request is settled now (its pages may be freed); if not, `wait` for it."""
+        with self._cond:
+            ops = self._ops.get(request_id, {})
+            for op in ops.values():
+                op.aborted = True
+                if op.state is TransferState.PENDING:
+                    op.state, op.reason, op.finished = TransferState.FAILED, "aborted", time.monotonic()
+            self._cond.notify_all()
+            return all(op.state.final for op in ops.values())
+
+    def release(self, request_id: str) -> TransferResult:
+        """Forget a settled request and return its final result."""
+        with self._cond:
+            res = self._result(request_id)
+            if not res.settled:
+                raise RuntimeError(f"request_id: {request_id!r} is still {res.state.value}; abort and wait first")
+            del self._ops[request_id]
+            return res
+
+    def pop_stats(self) -> list[TransferStats]:
+        with self._cond:
+            out, self._stats = self._stats, []
+            return out
+
+    def _resolve_peers(self, peers: Sequence[str] | None) -> list[str]:
+        names = list(self._workers) if peers is None else list(peers)
+        unknown = [p for p in names if p not in self._workers]
+        if unknown or not names:
+            raise ValueError(f"peers: unknown {unknown} (this {self.role} has {list(self._workers)})")
+        return names
+
+    def _register(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, peers: Sequence[str] | None,
+                  ) -> dict[str, _Op]:
+        names = self._resolve_peers(peers)
+        ids = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.kv.num_pages):
+            raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
+        ids = ids.to(self.device)
+        now = time.monotonic()
+        with self._cond:
+            if request_id in self._ops:
+                raise ValueError(f"request_id: {request_id!r} already has a transfer on this {self.role}")
+            ops = {p: _Op(request_id=request_id, peer=p, page_ids=ids, created=now) for p in names}
+            for p, op in ops.items():
+                if self._workers[p].broken:  # fail fast: the pair cannot carry anything any more
+                    op.state, op.reason, op.finished = (TransferState.FAILED,
+                                                        f"pair_broken: {self._workers[p].broken}", now)
+            self._ops[request_id] = ops
+            return ops
+
+    def _peer_broken(self, peer: str, why: str) -> None:
+        with self._cond:
+            for ops in self._ops.values():
+                op = ops.get(peer)
+                if op is not None and op.state is TransferState.PENDING:
+                    op.state, op.reason, op.finished = TransferState.FAILED, f"pair_broken: {why}", time.monotonic()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        for w in self._workers.values():
+            w.stop()
+        for w in self._workers.values():
+            w.thread.join(timeout=2.0)
+            w.channel.close()
+
+    # --- staging views ---
+    def _cache_view(self, family: str, layer: int, head_start: int, head_end: int) -> torch.Tensor:
+        """The pages of one (family, layer), K/V narrowed to global heads [head_start, head_end)."""
+        if family == "i":
+            return self.kv.index_k[layer]
+        cache = self.kv.k[layer] if family == "k" else self.kv.v[layer]
+        lo = head_start - self.kv_head_start
+        if lo == 0 and head_end - head_start == self.num_local_heads:
+            return cache
+        return cache[:, :, lo:lo + head_end - head_start]
+
+
+class _PairWorker:
+    """The thread that owns one pair channel's data plane."""
+
+    def __init__(self, end: _Endpoint, name: str, channel: PairChannel, route: Route) -> None:
+        self.end, self.name, self.channel, self.route = end, name, channel, route
+        self.ready = threading.Event()
+        self.broken: str | None = None
+        self.seq = 0
+        self._stopping = False
+        self.thread = threading.Thread(target=self._main, name=f"kv-{end.role}-{name}", daemon=True)
+        self._stream = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _main(self) -> None:
+        try:
+            if self.end.device.type == "cuda":
+                torch.cuda.set_device(self.end.device)
+                self._stream = torch.cuda.Stream(self.end.device)
+            self.channel.open()
+        except TransferError as exc:
+            self._break(str(exc))
+            self.ready.set()
+            return
+        self.ready.set()
+        self._loop()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def _break(self, why: str) -> None:
+        if self.broken is None:
+            self.broken = why
+            self.channel.abort()
+        self.end._peer_broken(self.name, why)
+
+    def _on_stream(self):
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _settle_stream(self, deadline: float) -> None:
+        """CUDA: wait (keeping the deadline) until the side stream ran everything queued so far."""
+        if self._stream is None:
+            return
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        while not ev.query():
+            if time.monotonic() > deadline:
+                raise TransferTimeout("device copies not finished in time")
+            time.sleep(20e-6)
+
+
+# ---- sender -------------------------------------------------------------------------------------------------
+class _SendWorker(_PairWorker):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.queue: queue.Queue[_Op | None] = queue.Queue()
+
+    def stop(self) -> None:
+        super().stop()
+        self.queue.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            op = self.queue.get()
+            if op is None:
+                if not self.broken:
+                    with contextlib.suppress(TransferError):
+                        self.channel.put(f"h{self.seq}", _CLOSE)
+                return
+            if self.broken:
+                self.end._finish(op, TransferState.FAILED, f"pair_broken: {self.broken}")
+                continue
+            with self.end._cond:
+                if op.state is not TransferState.PENDING:  # aborted while queued
+                    continue
+                op.state, op.started = TransferState.TRANSFERRING, time.monotonic()
+                self.end._cond.notify_all()
+            self._transfer(op)
+
+    def _header(self, op: _Op) -> KVHeader:
+        r, end = self.route, self.end
+        return KVHeader(request_id=op.request_id, num_pages=op.page_ids.numel(), num_layers=end.kv.num_layers,
+                        page_size=end.kv.page_size, head_start=r.head_start, head_end=r.head_end,
+                        head_dim=end.kv.k[0].shape[3],
+                        index_dim=(end.kv.index_k[end.index_layers[0]].shape[2]
+                                   if r.with_index and end.index_layers else 0),
+                        index_layers=end.index_layers if r.with_index else (), dtype=str(end.dtype),
+                        element_size=end.kv.k[0].element_size(), max_chunk_bytes=end.config.max_chunk_bytes,
+                        checksum=end.config.verify_checksum)
+
+    def _gather(self, header: KVHeader, pieces, chunk: list[Segment], page_bytes, ids: torch.Tensor) -> torch.Tensor:
+        """Copy the chunk's page rows straight into one staging buffer (uint8, [nbytes])."""
+        buf = torch.empty(chunk_nbytes(chunk, page_bytes), dtype=torch.uint8, device=self.end.device)
+        for seg in chunk:
+            family, layer, row = pieces[seg.piece]
+            src = self.end._cache_view(family, layer, header.head_start, header.head_end)
+            n = seg.page_hi - seg.page_lo
+            dst = buf[seg.offset:seg.offset + n * row].view(self.end.dtype).view(n, *src.shape[1:])
+            # index_select writes into the staging slice directly, also from a head-narrowed (strided) cache;
+            # kernels.paged_kv.gather_pages returns a fresh tensor, which would cost one more copy of the payload
+            torch.index_select(src, 0, ids[seg.page_lo:seg.page_hi], out=dst)
+        return buf
+
+    def _transfer(self, op: _Op) -> None:
+        cfg = self.end.config
+        header = self._header(op)
+        pieces = header.pieces()
+        page_bytes = [p[2] for p in pieces]
+        chunks = plan_chunks(page_bytes, header.num_pages, header.max_chunk_bytes)
+        deadline = time.monotonic() + cfg.timeout_s
+        seq = self.seq
+        try:
+            self.channel.put(f"h{seq}", header.encode(), tag=op.request_id)
+        except TransferError as exc:
+            self._break(str(exc))
+            self.end._finish(op, TransferState.FAILED, str(exc))
+            return
+        self.seq += 1
+        op.num_bytes = header.total_bytes()
+        try:
+            sums = []
+            with self._on_stream():
+                if op.ready_event is not None:
+                    self._stream.wait_event(op.ready_event)
+                inflight: deque = deque()
+                for i, chunk in enumerate(chunks):
+                    if len(inflight) >= cfg.max_inflight_chunks:
+                        self.channel.wait_work(inflight.popleft()[0], deadline, "send")
+                    buf = self._gather(header, pieces, chunk, page_bytes, op.page_ids)
+                    if header.checksum:
+                        sums.append(_words_sum(buf))
+                    inflight.append((self.channel.send(buf, tag=op.request_id), buf))
+                if header.checksum:
+                    self.channel.put(f"c{seq}", json.dumps(sums).encode(), tag=op.request_id)
+                while inflight:
+                    self.channel.wait_work(inflight.popleft()[0], deadline, "send")
+            status = json.loads(self.channel.get(f"s{seq}", deadline - time.monotonic()))
+        except TransferError as exc:  # mid-payload: the pair is out of step now
+            self._break(str(exc))
+            self.end._finish(op, TransferState.FAILED, str(exc))
+            return
+        if status.get("ok"):
+            self.end._finish(op, TransferState.DONE)
+        else:  # the receiver refused the header or the data; it drained the payload, the pair is still usable
+            self.end._finish(op, TransferState.FAILED, f"rejected by receiver: {status.get('reason')}")
+
+
+class KVSender(_Endpoint):
+    """The prefill shard's end. `send(request_id, page_ids)` queues the request on each of its pairs (or the
+    given `peers`); the pages must stay allocated until `wait(request_id).settled`."""
+
+    role = "sender"
+
+    def __init__(self, kv: KVCache, *, kv_head_start: int = 0, config: TransferConfig = TransferConfig()) -> None:
+        super().__init__(kv, kv_head_start=kv_head_start, config=config)
+
+    def add_peer(self, name: str, channel: PairChannel, route: Route) -> None:
+        """Start the worker of one pair (it opens the channel in the background; see `wait_ready`)."""
+        if name in self._workers:
+            raise ValueError(f"name: peer {name!r} already added")
+        self._check_route(route)
+        w = _SendWorker(self, name, channel, route)
+        self._workers[name] = w
+        w.start()
+
+    def send(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
+             peers: Sequence[str] | None = None) -> None:
+        ops = self._register(request_id, page_ids, peers)
+        ready = None
+        if self.device.type == "cuda":  # the side stream must see the prefill's writes to these pages
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        for name, op in ops.items():
+            op.ready_event = ready
+            self._workers[name].queue.put(op)
+
+
+# ---- receiver -----------------------------------------------------------------------------------------------
+class _RecvWorker(_PairWorker):
+    def stop(self) -> None:
+        super().stop()
+        self.channel.wake(f"h{self.seq}", _CLOSE)
+
+    def _loop(self) -> None:
+        cfg = self.end.config
+        while not self._stopping:
+            try:
+                raw = self.channel.get(f"h{self.seq}", cfg.idle_wait_s)
+            except TransferTimeout:
+                continue
+            except TransferError as exc:
+                self._break(str(exc))
+                return
+            if raw == _CLOSE:
+                self._break("closed")
+                return
+            try:
+                header = KVHeader.decode(raw)
+            except ValueError as exc:  # the payload size is unknown: cannot stay in step
+                self._break(str(exc))
+                return
+            seq, self.seq = self.seq, self.seq + 1
+            if not self._receive(seq, header):
+                return
+
+    def _claim(self, header: KVHeader) -> tuple[_Op | None, str | None]:
+        """Find the PENDING op this header is for and mark it TRANSFERRING; else say why not."""
+        end = self.end
+        with end._cond:
+            end._expire()
+            op = end._ops.get(header.request_id, {}).get(self.name)
+            if op is None or op.state is not TransferState.PENDING:
+                why = "not prepared" if op is None else f"{op.state.value} ({op.reason})"
+                return None, f"unknown request {header.request_id!r} on this pair: {why}"
+            op.state, op.started = TransferState.TRANSFERRING, time.monotonic()
+            end._cond.notify_all()
+        problem = self._mismatch(header, op)
+        return op, problem
+
+    def _mismatch(self, h: KVHeader, op: _Op) -> str | None:
+        end, r = self.end, self.route
+        want = {
+            "version": _HEADER_VERSION, "num_pages": op.page_ids.numel(), "num_layers": end.kv.num_layers,
+            "page_size": end.kv.page_size, "head_start": r.head_start, "head_end": r.head_end,
+            "head_dim": end.kv.k[0].shape[3], "dtype": str(end.dtype),
+            "index_layers": end.index_layers if r.with_index else (),
+        }
+        if r.with_index and end.index_layers:
+            want["index_dim"] = end.kv.index_k[end.index_layers[0]].shape[2]
+        bad = [f"{k} {getattr(h, k)!r} != {v!r}" for k, v in want.items() if getattr(h, k) != v]
+        return f"header mismatch: {', '.join(bad)}" if bad else None
+
+    def _receive(self, seq: int, header: KVHeader) -> bool:
+        """Take one payload; returns False when the pair broke."""
+        cfg = self.end.config
+        op, problem = self._claim(header)
+        pieces = header.pieces()
+        page_bytes = [p[2] for p in pieces]
+        chunks = plan_chunks(page_bytes, header.num_pages, header.max_chunk_bytes)
+        deadline = time.monotonic() + cfg.timeout_s
+        if op is not None:
+            op.num_bytes = header.total_bytes()
+        try:
+            sums: list[int] = []
+            with self._on_stream():
+                inflight: deque = deque()
+                for chunk in chunks:
+                    if len(inflight) >= cfg.max_inflight_chunks:
+                        self._land(*inflight.popleft(), header, pieces, op, problem, sums, deadline)
+                    buf = torch.empty(chunk_nbytes(chunk, page_bytes), dtype=torch.uint8, device=self.end.device)
+                    inflight.append((chunk, buf, self.channel.recv(buf, tag=header.request_id)))
+                while inflight:
+                    self._land(*inflight.popleft(), header, pieces, op, problem, sums, deadline)
+                self._settle_stream(deadline)
+            if header.checksum:
+                sent = json.loads(self.channel.get(f"c{seq}", deadline - time.monotonic()))
+                if problem is None and sent != sums:
+                    problem = f"checksum mismatch: sent {sent} received {sums}"
+        except TransferError as exc:
+            if op is not None:
+                self.end._finish(op, TransferState.FAILED, str(exc))
+            self._break(str(exc))
+            return False
+        status = {"ok": problem is None, "reason": problem}
+        if op is not None:
+            with self.end._cond:
+                if op.aborted:
+                    status = {"ok": False, "reason": "aborted on the receiving side"}
+            self.end._finish(op, TransferState.DONE if problem is None else TransferState.FAILED, problem)
+        try:
+            self.channel.put(f"s{seq}", json.dumps(status).encode(), tag=header.request_id)
+        except TransferError as exc:
+            self._break(str(exc))
+            return False
+        return True
+
+    def _land(self, chunk, buf, work, header: KVHeader, pieces, op, problem, sums, deadline) -> None:
+        """Wait for one received chunk and scatter it into the prepared pages (unless the header was refused)."""
+        self.channel.wait_work(work, deadline, "recv")
+        if header.checksum:
+            sums.append(_words_sum(buf))
+        if op is None or problem is not None:
+            return  # drained
+        for seg in chunk:
+            family, layer, row = pieces[seg.piece]
+            dst = self.end._cache_view(family, layer, header.head_start, header.head_end)
+            n = seg.page_hi - seg.page_lo
+            data = buf[seg.offset:seg.offset + n * row].view(self.end.dtype).view(n, *dst.shape[1:])
+            scatter_pages(dst, op.page_ids[seg.page_lo:seg.page_hi], data)
+
+
+class KVReceiver(_Endpoint):
+    """The decode shard's end. `prepare_receive(request_id, page_ids)` admits a request's KV into pages the
+    decode engine allocated; `wait(request_id)` / `state(request_id)` tell when it landed (DONE) or why not."""
+
+    role = "receiver"
+
+    def __init__(self, kv: KVCache, *, kv_head_start: int = 0, config: TransferConfig = TransferConfig()) -> None:
+        super().__init__(kv, kv_head_start=kv_head_start, config=config)
+
+    def add_peer(self, name: str, channel: PairChannel, route: Route) -> None:
+        """Start the worker of one pair (it opens the channel in the background; see `wait_ready`)."""
+        if name in self._workers:
+            raise ValueError(f"name: peer {name!r} already added")
+        self._check_route(route)
+        w = _RecvWorker(self, name, channel, route)
+        self._workers[name] = w
+        w.start()
+
+    def prepare_receive(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
+                        peers: Sequence[str] | None = None) -> None:
+        """Expect the request's KV from every pair (or the given `peers`: the routes of one prefill group)."""
+        self._register(request_id, page_ids, peers)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for ops in self._ops.values():
+            for op in ops.values():
+                if op.state is TransferState.PENDING and now - op.created > self.config.receive_timeout_s:
+                    op.state, op.finished = TransferState.FAILED, now
+                    op.reason = f"timeout: no KV arrived within {self.config.receive_timeout_s:g} s"
+
+
+# ---- a fake wire that fails on purpose (stands in for a dead or faulty peer) ---------------------------------
+class _DoneWork:
+    def wait(self, *a) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@dataclass
+class FaultyChannel:
+    """Wraps a real `PairChannel` (used on the sending side) and breaks chosen requests, keyed by request id:
+
+    "peer_gone":       the header cannot be delivered (PeerGone) - nothing reaches the receiver;
+    "corrupt_header":  the header names a wrong dtype (same element size) - the receiver refuses and drains;
+    "corrupt_payload": one byte of the first chunk flips on the wire - caught by the checksum;
+    "drop_payload":    header delivered, payload never sent - the receiver times out mid-transfer (pair breaks).
+    """
+
+    inner: PairChannel
+    faults: Mapping[str, str] = field(default_factory=dict)
+
+    KINDS = ("peer_gone", "corrupt_header", "corrupt_payload", "drop_payload")
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in self.faults.items() if v not in self.KINDS}
+        if bad:
+            raise ValueError(f"faults: unknown kinds {bad}; known {self.KINDS}")
+        self._flipped: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def put(self, key: str, value: bytes, *, tag: str = "") -> None:
+        fault = self.faults.get(tag)
+        if key.startswith("h") and fault == "peer_gone":
+            raise PeerGone(f"injected for {tag!r}")
+        if key.startswith("h") and fault == "corrupt_header":
+            # a wrong dtype of the same element size: the payload size stays what the sender sends
+            d = json.loads(value)
+            d["dtype"] = {2: "torch.float16" if d["dtype"] != "torch.float16" else "torch.bfloat16",
+                          4: "torch.int32"}.get(d["element_size"], "torch.uint8")
+            value = json.dumps(d).encode()
+        self.inner.put(key, value, tag=tag)
+
+    def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
+        fault = self.faults.get(tag)
+        if fault == "drop_payload":
+            return _DoneWork()
+        if fault == "corrupt_payload" and tag not in self._flipped:
+            self._flipped.add(tag)
+            buf = buf.clone()
+            buf[0] ^= 0x01
+            work = self.inner.send(buf, tag=tag)
+            self._keep = buf  # alive until the (asynchronous) send is done
+            return work
+        return self.inner.send(buf, tag=tag)
+
+
+__all__ = ["TransferConfig", "TransferState", "TransferResult", "Route", "plan_routes", "kv_heads_of_rank",
+           "KVHeader", "Segment", "plan_chunks", "KVSender", "KVReceiver", "FaultyChannel"]

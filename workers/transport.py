@@ -1,0 +1,218 @@
+"""The wire under the KV transfer: one 2-party channel per (prefill shard, decode shard) pair.
+
+A `PairChannel` is a TCPStore (control: small keyed messages such as headers and statuses) plus a standalone
+torch.distributed backend of two ranks built from that store (data: point-to-point send/recv of large buffers;
+NCCL on GPU, gloo on CPU). The backend is constructed directly (`ProcessGroupGloo(store, rank, 2, ...)`,
+`ProcessGroupNCCL(store, rank, 2, timeout)`) instead of through `init_process_group`/`new_group`, because the
+default group is process-global: a shard must be able to hold several pair channels next to its TP group.
+
+Why the control messages go through the store and not through the backend: a decode shard would otherwise keep
+a receive posted while it waits for the next header. On NCCL that is a kernel spinning on the decode GPU, which
+the NCCL watchdog kills after its timeout, and on gloo a timed-out receive closes the connection. With the store,
+data-plane operations are only posted once a header says a payload of known size follows right behind it.
+
+Rendezvous: the listening side (rank 0, by convention the decode shard) hosts the TCPStore on a port the OS
+picks (`port=0`), on 127.0.0.1 unless told otherwise; the other side connects to `channel.address`. Both sides
+must then call `open()` concurrently (it is a rendezvous: the gloo constructor blocks until both ranks joined).
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; `reason` is a short machine-readable word (timeout, peer_gone, mismatch, ...)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class TransferTimeout(TransferError):
+    def __init__(self, detail: str = "") -> None:
+        super().__init__("timeout", detail)
+
+
+class PeerGone(TransferError):
+    def __init__(self, detail: str = "") -> None:
+        super().__init__("peer_gone", detail)
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def _classify(exc: BaseException, what: str) -> TransferError:
+    """Map a backend/store exception onto timeout or peer_gone (the only two ways the wire fails)."""
+    text = str(exc)
+    if isinstance(exc, TransferError):
+        return exc
+    if "imeout" in text or "timed out" in text:
+        return TransferTimeout(f"{what}: {text.splitlines()[0][:300]}")
+    return PeerGone(f"{what}: {text.splitlines()[0][:300]}")
+
+
+class PairChannel:
+    """One side of a 2-party channel. Rank 0 listens (hosts the store), rank 1 connects.
+
+    backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of `device`). All data-plane calls of one channel must
+    come from one thread (the pair's worker thread in workers/transfer.py), which keeps send/recv order identical
+    on both sides. `tag` arguments name the request a message belongs to; the real channel ignores them (the
+    fault-injecting fake in workers/transfer.py keys its faults on them).
+    """
+
+    def __init__(self, *, rank: int, host: str, port: int, backend: str, device: torch.device | str,
+                 timeout_s: float, local_host: str, server: Any = None) -> None:
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
+        self.rank = rank
+        self.peer_rank = 1 - rank
+        self.host, self.port = host, port
+        self.backend = backend
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self.local_host = local_host
+        self._server = server  # the TCPStore that hosts the key space (rank 0 only); kept alive with the channel
+        # two client connections: a TCPStore client serialises its operations, so a thread blocked in `wait`
+        # on one would stall everybody else using the same object
+        self._ctl = self._client()
+        self._aux = self._client()
+        self._pg: Any = None
+        self._open_lock = threading.Lock()
+        self.closed = False
+
+    # ---- rendezvous ---------------------------------------------------------------------------------------
+    @classmethod
+    def listen(cls, *, host: str = "127.0.0.1", backend: str = "gloo", device: torch.device | str = "cpu",
+               timeout_s: float = 60.0) -> PairChannel:
+        """Host the pair's store on a free port of `host` (chosen by the OS); the peer connects to `.address`."""
+        server = dist.TCPStore(host, 0, None, True, timeout=_td(timeout_s), wait_for_workers=False)
+        return cls(rank=0, host=host, port=server.port, backend=backend, device=device, timeout_s=timeout_s,
+                   local_host=host, server=server)
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], *, backend: str = "gloo", device: torch.device | str = "cpu",
+                timeout_s: float = 60.0, local_host: str = "127.0.0.1") -> PairChannel:
+        """Join the pair whose listener published `address` = (host, port)."""
+        host, port = address
+        return cls(rank=1, host=host, port=int(port), backend=backend, device=device, timeout_s=timeout_s,
+                   local_host=local_host)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def _client(self) -> Any:
+        try:
+            return dist.TCPStore(self.host, self.port, None, False, timeout=_td(self.timeout_s))
+        except Exception as exc:  # the listener is not there (any more)
+            raise PeerGone(f"store at {self.host}:{self.port}: {exc}") from exc
+
+    def open(self) -> None:
+        """Build the 2-rank backend; blocks until the peer calls `open()` too (or the timeout passes)."""
+        with self._open_lock:
+            if self._pg is not None:
+                return
+            store = dist.PrefixStore("pg", self._ctl)
+            try:
+                if self.backend == "gloo":
+                    opts = dist.ProcessGroupGloo._Options()
+                    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_host)]
+                    opts._timeout = _td(self.timeout_s)
+                    self._pg = dist.ProcessGroupGloo(store, self.rank, 2, opts)
+                else:
+                    # the NCCL communicator itself is created lazily on the first send/recv of this device
+                    self._pg = dist.ProcessGroupNCCL(store, self.rank, 2, _td(self.timeout_s))
+            except Exception as exc:
+                raise _classify(exc, f"opening the {self.backend} pair") from exc
+
+    @property
+    def is_open(self) -> bool:
+        return self._pg is not None
+
+    # ---- control plane (store) ----------------------------------------------------------------------------
+    def put(self, key: str, value: bytes, *, tag: str = "") -> None:
+        try:
+            self._ctl.set(key, value)
+        except Exception as exc:
+            raise _classify(exc, f"store set {key}") from exc
+
+    def get(self, key: str, timeout_s: float, *, tag: str = "") -> bytes:
+        """Block until `key` exists (at most `timeout_s`), then return and delete it."""
+        try:
+            self._ctl.wait([key], _td(timeout_s))
+            value = self._ctl.get(key)
+            self._ctl.delete_key(key)
+            return value
+        except Exception as exc:
+            raise _classify(exc, f"store wait {key}") from exc
+
+    def wake(self, key: str, value: bytes) -> None:
+        """Set a key from another thread (used to wake a worker blocked in `get`)."""
+        try:
+            self._aux.set(key, value)
+        except Exception:
+            pass  # the store is gone: the worker will notice by itself
+
+    # ---- data plane (backend) -----------------------------------------------------------------------------
+    def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
+        try:
+            return self._pg.send([buf], self.peer_rank, 0)
+        except Exception as exc:
+            raise _classify(exc, "send") from exc
+
+    def recv(self, buf: torch.Tensor, *, tag: str = "") -> Any:
+        try:
+            return self._pg.recv([buf], self.peer_rank, 0)
+        except Exception as exc:
+            raise _classify(exc, "recv") from exc
+
+    def wait_work(self, work: Any, deadline: float, what: str) -> None:
+        """Wait for one send/recv until the monotonic `deadline`.
+
+        gloo: the CPU blocks in the work itself. NCCL: `wait()` only orders the current stream behind the
+        communication, so poll completion instead (keeping the deadline) and then order the stream.
+        """
+        try:
+            if self.backend == "gloo":
+                work.wait(_td(deadline - time.monotonic()))
+                return
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"{what}: not completed in time")
+                time.sleep(20e-6)
+            work.wait()
+        except Exception as exc:
+            raise _classify(exc, what) from exc
+
+    def abort(self) -> None:
+        """Tear the data plane down (a pending NCCL kernel is killed); the channel is unusable afterwards."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                pg.abort()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        pg, self._pg = self._pg, None
+        if pg is not None and self.backend == "nccl":
+            try:
+                pg.shutdown()
+            except Exception:
+                pass
+        self._ctl = self._aux = None
+        self._server = None
+
+
+__all__ = ["PairChannel", "TransferError", "TransferTimeout", "PeerGone"]
