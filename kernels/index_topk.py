@@ -70,9 +70,10 @@ def select_topk_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
 @triton.jit
 def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
                          q_st_n, q_st_h, kc_st_p, kc_st_o, pt_st_r, sc_st_n, sc_st_h,
-                         num_splits,
+                         num_splits, cnt_ptr, out_ptr, out_st_n, out_st_h, local_blocks,
                          HI: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr,
-                         DOT_FP32: tl.constexpr):
+                         DOT_FP32: tl.constexpr, FUSED: tl.constexpr, TOPK: tl.constexpr,
+                         BLOCK_NB: tl.constexpr):
     # program (n, s): decode row n, blocks s, s + S, ... of its request; writes sc[n, :, b] for those blocks
     n = tl.program_id(0)
     s = tl.program_id(1)
@@ -95,6 +96,34 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
             qk = tl.dot(q, kt.to(q.dtype))
         qk = tl.where((b * PS + t)[None, :] <= p, qk, float("-inf"))
         tl.store(sc_ptr + n.to(tl.int64) * sc_st_n + h * sc_st_h + b, tl.max(qk, axis=1), mask=h < HI)
+    if FUSED:
+        # the last of the row's programs to arrive selects (saves the selection launch on short rows). The
+        # barrier + release add publish this program's scores; the counter is reset for the next call.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            tl.atomic_xchg(cnt_ptr + n, 0)
+            own = p // PS
+            bb = tl.arange(0, BLOCK_NB)
+            real = (h < HI)[:, None]
+            sc = tl.load(sc_ptr + n.to(tl.int64) * sc_st_n + h[:, None] * sc_st_h + bb[None, :],
+                         mask=real & (bb <= own)[None, :], other=float("-inf"), cache_modifier=".cg")
+            local = (bb >= own - local_blocks + 1) & (bb <= own)
+            sc = tl.where(local[None, :], float("inf"), sc)
+            chosen = (bb < 0)[None, :] & real
+            for _ in range(TOPK):
+                _, idx = tl.max(sc, axis=1, return_indices=True, return_indices_tie_break_left=True)
+                pick = bb[None, :] == idx[:, None]
+                chosen = chosen | (pick & (sc > float("-inf")))
+                sc = tl.where(pick, float("-inf"), sc)
+            # ascending ids: chosen block b goes to slot rank(b); the slots past the count get -1 (disjoint)
+            rank = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+            row_out = out_ptr + n.to(tl.int64) * out_st_n + h[:, None] * out_st_h
+            tl.store(row_out + rank, (bb[None, :] + 0 * rank).to(tl.int32), mask=chosen & real)
+            count = tl.sum(chosen.to(tl.int32), axis=1)
+            kk = tl.arange(0, BLOCK_NB)
+            tl.store(row_out + kk[None, :], tl.full([BLOCK_H, BLOCK_NB], -1, tl.int32),
+                     mask=real & (kk[None, :] >= count[:, None]) & (kk[None, :] < TOPK))
 
 
 @triton.jit
@@ -137,18 +166,41 @@ def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> i
     return max(1, min(want, max_blocks))
 
 
-def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores, *, num_kv_splits=None):
+# rows up to this many blocks select inside the scores kernel (one launch); longer rows use the selection kernel
+FUSED_MAX_BLOCKS = 256
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(n: int, device: torch.device) -> torch.Tensor | None:
+    """A zeroed int32 [>= n] buffer that the fused kernel leaves zeroed again; None when it would have to be
+    (re)allocated during CUDA-graph capture (the caller then takes the two-launch path). One stream at a time."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
+def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores, *, num_kv_splits=None,
+                       select_into=None, topk=0, local_blocks=1, counters=None):
     """Block maxima of the decode rows into scores [N, Hi, max_pages] fp32; entries past a row's own block are
-    left unwritten (the selection masks them)."""
+    left unwritten (the selection masks them). With `select_into` ([N, Hi, topk] int32) and `counters`, the
+    last program of each row also selects (fused)."""
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
     splits = num_kv_splits or default_kv_splits(n, page_tables.shape[1], q_idx.device)
     dot_fp32 = torch.float32 in (q_idx.dtype, index_k_cache.dtype)
+    fused = select_into is not None
+    out = select_into if fused else scores
     runnable(_index_scores_kernel, q_idx.device)[(n, splits)](
         q_idx, index_k_cache, page_tables, row_seq, positions, scores,
         q_idx.stride(0), q_idx.stride(1), index_k_cache.stride(0), index_k_cache.stride(1), page_tables.stride(0),
         scores.stride(0), scores.stride(1), splits,
-        HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, **SCORE_LAUNCH)
+        counters if fused else scores, out, out.stride(0) if fused else 0, out.stride(1) if fused else 0,
+        local_blocks,
+        HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, FUSED=fused, TOPK=max(topk, 1),
+        BLOCK_NB=max(16, next_pow2(page_tables.shape[1])) if fused else 16, **SCORE_LAUNCH)
 
 
 def select_topk(scores, positions, out, topk, local_blocks, page_size):
@@ -166,11 +218,13 @@ def select_topk(scores, positions, out, topk, local_blocks, page_size):
 def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
                       row_seq: torch.Tensor, positions: torch.Tensor, topk: int, local_blocks: int, *,
                       out: torch.Tensor | None = None, num_kv_splits: int | None = None,
-                      scores: torch.Tensor | None = None) -> torch.Tensor:
+                      scores: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
     """Triton decode path for rows [0, N) of its inputs (any rows work; shapes as in `index_topk_ref`).
 
     `out` [N, Hi, topk] int32 may be a view (the decode suffix of a mixed batch); `scores` [N, Hi, max_pages]
     fp32 an optional scratch buffer (a graph-stable one). No host syncs, fixed grid for fixed shapes.
+    fused None: one launch (selection by each row's last program) when the table has <= FUSED_MAX_BLOCKS
+    blocks, else scores then selection; True/False force it (the fused path needs topk <= the block width).
     """
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
@@ -185,14 +239,25 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
         raise ValueError(f"index_topk: index_head_dim {di} and page_size {ps} must be powers of two >= 16")
     if scores is None:
         scores = torch.empty((n, hi, max_pages), dtype=torch.float32, device=q_idx.device)
-    index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores, num_kv_splits=num_kv_splits)
-    select_topk(scores, positions, out, topk, local_blocks, ps)
+    counters = None
+    if (fused if fused is not None else max_pages <= FUSED_MAX_BLOCKS) and max(16, next_pow2(topk)) <= max(
+            16, next_pow2(max_pages)):
+        counters = _arrival_counters(n, q_idx.device)
+    if counters is not None:
+        index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
+                           num_kv_splits=num_kv_splits, select_into=out, topk=topk, local_blocks=local_blocks,
+                           counters=counters)
+    else:
+        index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
+                           num_kv_splits=num_kv_splits)
+        select_topk(scores, positions, out, topk, local_blocks, ps)
     return out
 
 
 def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor, row_seq: torch.Tensor,
                positions: torch.Tensor, topk: int, local_blocks: int, *, num_prefill_rows: int = 0,
-               backend: str | None = None, num_kv_splits: int | None = None) -> torch.Tensor:
+               backend: str | None = None, num_kv_splits: int | None = None,
+               fused: bool | None = None) -> torch.Tensor:
     """Public launcher -> int32 [N, Hi, topk]. Rows [0, num_prefill_rows) (prefill chunks) take the reference
     path; rows [num_prefill_rows, N) (decode rows, the batch suffix) take the Triton decode kernels when
     `backend` resolves to Triton (None: on CUDA tensors; "triton" forces it, on CPU through the interpreter).
@@ -207,7 +272,7 @@ def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: to
         out[:npf] = index_topk_ref(q_idx[:npf], index_k_cache, page_tables, row_seq[:npf], positions[:npf], topk,
                                    local_blocks)
     index_topk_decode(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:], positions[npf:], topk, local_blocks,
-                      out=out[npf:], num_kv_splits=num_kv_splits)
+                      out=out[npf:], num_kv_splits=num_kv_splits, fused=fused)
     return out
 
 

@@ -63,9 +63,11 @@ def test_index_topk_gpu(paged_case, batch, length, rows_per_request):
     q = torch.randn(n, HI, DI, device="cuda").bfloat16()
     args = (q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, TOPK, 1)
     want = itk.index_topk_ref(*args)
-    for splits in (1, 4, None):
-        got = itk.index_topk(*args, num_kv_splits=splits)
-        assert torch.equal(got, want), splits
+    for splits, fused in ((1, None), (4, True), (None, True), (None, False)):
+        got = itk.index_topk(*args, num_kv_splits=splits, fused=fused)
+        assert torch.equal(got, want), (splits, fused)
+    # the fused path's arrival counters are left at zero: a second call sees the same result
+    assert torch.equal(itk.index_topk(*args, fused=True), want)
 
 
 @pytest.mark.parametrize("batch,length,rows_per_request", [(1, 3000, 1), (16, 8700, 1), (4, 9000, 3)])

@@ -97,8 +97,9 @@ _LENS = [7, 3 * PS, 5 * PS + 3]
 _ROWS = [(0, 6), (1, 3 * PS - 1), (1, 3 * PS - 2), (2, 5 * PS + 2), (2, 4 * PS + 1), (2, PS)]
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("splits", [1, 2, 5, None])
-def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, nan_poison):
+def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, fused, nan_poison):
     poison_, _ = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=4)
     q = torch.randn(len(_ROWS), 3, DI, generator=torch.Generator().manual_seed(5))
@@ -106,7 +107,7 @@ def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, nan_poi
         want = itk.index_topk_ref(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local)
         out = poison_(torch.empty(len(_ROWS), 3, topk, dtype=torch.int32))
         itk.index_topk_decode(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local,
-                              out=out, num_kv_splits=splits)
+                              out=out, num_kv_splits=splits, fused=fused)
         assert torch.equal(out, want), (topk, local)
     assert (want == -1).any() and (want >= 0).any()  # the case covers padding and real picks
 
@@ -120,9 +121,10 @@ def test_index_topk_ties_go_to_the_lower_block(paged_case):
     q = torch.ones(2, 2, DI)
     q[1, 1] = torch.randint(-1, 2, (DI,), generator=gen).float()
     want = itk.index_topk_ref(q, ikc, case.page_tables, case.row_seq, case.positions, 4, 1)
-    got = itk.index_topk(q, ikc, case.page_tables, case.row_seq, case.positions, 4, 1, backend="triton",
-                         num_kv_splits=3)
-    assert torch.equal(got, want)
+    for fused in (True, False):
+        got = itk.index_topk(q, ikc, case.page_tables, case.row_seq, case.positions, 4, 1, backend="triton",
+                             num_kv_splits=3, fused=fused)
+        assert torch.equal(got, want)
     all_ones = torch.ones_like(ikc)
     want = itk.index_topk_ref(q, all_ones, case.page_tables, case.row_seq, case.positions, 4, 1)
     got = itk.index_topk(q, all_ones, case.page_tables, case.row_seq, case.positions, 4, 1, backend="triton")
