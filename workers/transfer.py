@@ -198,7 +198,7 @@ def plan_chunks(page_bytes: Sequence[int], num_pages: int, max_chunk_bytes: int)
         lo = 0
         while lo < num_pages:
             fit = (max_chunk_bytes - used) // row
-            if fit == 0 and cur:
+            if fit <= 0 and cur:
                 chunks.append(cur)
                 cur, used = [], 0
                 continue

@@ -54,7 +54,7 @@ def _classify(exc: BaseException, what: str) -> TransferError:
     text = str(exc)
     if isinstance(exc, TransferError):
         return exc
-    if "imeout" in text or "timed out" in text:
+    if "timeout" in text.lower() or "timed out" in text.lower():
         return TransferTimeout(f"{what}: {text.splitlines()[0][:300]}")
     return PeerGone(f"{what}: {text.splitlines()[0][:300]}")
 

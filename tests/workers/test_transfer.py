@@ -1,0 +1,491 @@
+"""KV transfer: route plan and chunk plan (pure), and real transfers over gloo pairs (CPU) - in one process
+(two threads, one per side), between two plain processes and between two Ray actors. Received pages must equal
+the sent ones bitwise for every layer and both page families; injected faults must end FAILED with a reason."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from msa.config import M3Config
+from msa.kv_cache import KVCache
+from msa.parallel import ParallelContext
+from workers.configio import load_yaml, preset_path
+from workers.transfer import (FaultyChannel, KVHeader, KVReceiver, KVSender, Route, Segment, TransferConfig,
+                              TransferState, chunk_nbytes, kv_heads_of_rank, plan_chunks, plan_routes)
+from workers.transport import PairChannel
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny() -> M3Config:
+    return load_yaml(preset_path("models", "tiny"), M3Config)
+
+
+def _filled_cache(num_pages: int, seed: int, dtype_name: str = "float32", heads=None) -> "KVCache":
+    """A tiny-config cache whose every page holds seeded random values (identical in any process).
+    heads: (first, count) to keep only those KV heads of the full cache (a tp shard's view)."""
+    import torch
+    from msa.config import M3Config
+    from msa.kv_cache import KVCache
+    from workers.configio import load_yaml, preset_path
+
+    cfg = load_yaml(preset_path("models", "tiny"), M3Config)
+    dtype = getattr(torch, dtype_name)
+    full = KVCache.allocate(cfg, num_pages, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for t in full.k + full.v + [x for x in full.index_k if x is not None]:
+        t.copy_(torch.randn(t.shape, generator=gen))
+    if heads is None:
+        return full
+    lo, n = heads
+    return KVCache(k=[x[:, :, lo:lo + n].clone() for x in full.k], v=[x[:, :, lo:lo + n].clone() for x in full.v],
+                   index_k=full.index_k, num_pages=num_pages, page_size=full.page_size)
+
+
+def _empty_shard(num_pages: int, heads: int) -> KVCache:
+    """Zero pages of a tp shard holding `heads` KV heads of the tiny config."""
+    full = KVCache.allocate(_tiny(), num_pages)
+    return KVCache(k=[x[:, :, :heads].clone() for x in full.k], v=[x[:, :, :heads].clone() for x in full.v],
+                   index_k=full.index_k, num_pages=num_pages, page_size=full.page_size)
+
+
+def _assert_pages_equal(dst: KVCache, dst_ids, src: KVCache, src_ids, *, dst_heads=slice(None),
+                        src_heads=slice(None), index=True) -> None:
+    for layer in range(dst.num_layers):
+        for fam in ("k", "v"):
+            got = getattr(dst, fam)[layer][dst_ids][:, :, dst_heads]
+            want = getattr(src, fam)[layer][src_ids][:, :, src_heads]
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.bfloat16 else got,
+                               want.view(torch.uint8) if want.dtype == torch.bfloat16 else want), (fam, layer)
+        if index and src.index_k[layer] is not None:
+            assert torch.equal(dst.index_k[layer][dst_ids], src.index_k[layer][src_ids]), ("index_k", layer)
+
+
+def _pair() -> tuple[PairChannel, PairChannel]:
+    listener = PairChannel.listen(timeout_s=30)
+    return listener, PairChannel.connect(listener.address, timeout_s=30)
+
+
+def _wire(sender: KVSender, receiver: KVReceiver, route: Route, *, s_name="d0", r_name="p0", faults=None):
+    rx, tx = _pair()
+    receiver.add_peer(r_name, rx, route)
+    sender.add_peer(s_name, FaultyChannel(tx, faults) if faults else tx, route)
+
+
+# ---- pure plans ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads,tp", [(4, 1), (4, 2), (4, 4), (4, 8), (2, 8), (1, 2), (8, 4)])
+def test_kv_heads_of_rank_matches_the_model_split(heads, tp):
+    for rank in range(tp):
+        ctx = ParallelContext(tp_size=tp, tp_rank=rank, tp_group=None if tp == 1 else object())
+        assert kv_heads_of_rank(heads, tp, rank) == ctx.kv_head_range(heads)
+
+
+def test_plan_routes_exact():
+    R = Route
+    assert plan_routes(4, 1, 1) == [R(src=0, dst=0, head_start=0, head_end=4, with_index=True)]
+    assert plan_routes(4, 2, 1) == [R(src=0, dst=0, head_start=0, head_end=2, with_index=True),
+                                    R(src=1, dst=0, head_start=2, head_end=4, with_index=False)]
+    assert plan_routes(4, 1, 2) == [R(src=0, dst=0, head_start=0, head_end=2, with_index=True),
+                                    R(src=0, dst=1, head_start=2, head_end=4, with_index=True)]
+    # tp 8 over 4 heads replicates each head on two ranks: equal layouts map rank i -> rank i
+    assert plan_routes(4, 8, 8) == [R(src=d, dst=d, head_start=d // 2, head_end=d // 2 + 1, with_index=True)
+                                    for d in range(8)]
+    # one source per head, from the first replica
+    assert plan_routes(4, 8, 1) == [R(src=2 * h, dst=0, head_start=h, head_end=h + 1, with_index=h == 0)
+                                    for h in range(4)]
+    assert plan_routes(4, 2, 8) == [R(src=d // 4, dst=d, head_start=d // 2, head_end=d // 2 + 1, with_index=True)
+                                    for d in range(8)]
+
+
+@pytest.mark.parametrize("heads,src_tp,dst_tp", [(4, a, b) for a in (1, 2, 4, 8) for b in (1, 2, 4, 8)]
+                         + [(2, 1, 2), (8, 2, 4), (8, 4, 2)])
+def test_plan_routes_cover_every_head_once(heads, src_tp, dst_tp):
+    routes = plan_routes(heads, src_tp, dst_tp)
+    for d in range(dst_tp):
+        first, count = kv_heads_of_rank(heads, dst_tp, d)
+        mine = [r for r in routes if r.dst == d]
+        got = sorted(h for r in mine for h in range(r.head_start, r.head_end))
+        assert got == list(range(first, first + count))
+        assert sum(r.with_index for r in mine) == 1
+        for r in mine:  # the source really holds what it sends
+            s_first, s_count = kv_heads_of_rank(heads, src_tp, r.src)
+            assert s_first <= r.head_start < r.head_end <= s_first + s_count
+
+
+def test_plan_chunks_exact_and_complete():
+    rows = [10, 10, 4]
+    assert plan_chunks(rows, 3, 25) == [[Segment(0, 0, 2, 0)], [Segment(0, 2, 3, 0), Segment(1, 0, 1, 10)],
+                                        [Segment(1, 1, 3, 0), Segment(2, 0, 1, 20)], [Segment(2, 1, 3, 0)]]
+    assert plan_chunks(rows, 3, 1 << 20) == [[Segment(0, 0, 3, 0), Segment(1, 0, 3, 30), Segment(2, 0, 3, 60)]]
+    assert plan_chunks(rows, 2, 4) == [[Segment(0, 0, 1, 0)], [Segment(0, 1, 2, 0)], [Segment(1, 0, 1, 0)],
+                                       [Segment(1, 1, 2, 0)], [Segment(2, 0, 1, 0)], [Segment(2, 1, 2, 0)]]
+    assert plan_chunks(rows, 0, 25) == []
+    for cap in (1, 7, 24, 33, 100):
+        chunks = plan_chunks(rows, 5, cap)
+        seen = [(s.piece, p) for c in chunks for s in c for p in range(s.page_lo, s.page_hi)]
+        assert seen == [(piece, p) for piece in range(3) for p in range(5)]  # every row once, in payload order
+        for c in chunks:
+            assert chunk_nbytes(c, rows) <= cap or (len(c) == 1 and c[0].page_hi - c[0].page_lo == 1)
+            for a, b in zip(c, c[1:]):
+                assert b.offset == a.offset + (a.page_hi - a.page_lo) * rows[a.piece]
+
+
+def test_header_round_trip_and_refusal():
+    h = KVHeader(request_id="r-1", num_pages=3, num_layers=4, page_size=16, head_start=1, head_end=2, head_dim=32,
+                 index_dim=32, index_layers=(1, 2, 3), dtype="torch.bfloat16", element_size=2,
+                 max_chunk_bytes=1 << 20, checksum=False)
+    assert KVHeader.decode(h.encode()) == h
+    assert h.total_bytes() == 3 * (4 * 2 * 16 * 32 * 2 + 3 * 16 * 32 * 2)
+    with pytest.raises(ValueError, match="undecodable"):
+        KVHeader.decode(b'{"request_id": "x"}')
+
+
+def test_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="timeout_s"):
+        TransferConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        TransferConfig(max_chunk_bytes=0)
+
+
+# ---- real transfers over gloo, both sides in this process ----------------------------------------------------
+def test_many_requests_random_pages_bitwise_and_nothing_else_written():
+    cfg = TransferConfig(timeout_s=20, max_chunk_bytes=40_000, verify_checksum=True)  # several chunks each
+    src = _filled_cache(24, seed=1)
+    dst = KVCache.allocate(_tiny(), 40)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _wire(sender, receiver, plan_routes(2, 1, 1)[0])
+    try:
+        sender.wait_ready(30)
+        gen = torch.Generator().manual_seed(5)
+        dst_free = torch.randperm(40, generator=gen).tolist()
+        moved = []
+        for i, n in enumerate([1, 5, 3, 8, 2]):
+            s_ids = torch.randperm(24, generator=gen)[:n].tolist()
+            d_ids, dst_free = dst_free[:n], dst_free[n:]
+            receiver.prepare_receive(f"req-{i}", d_ids)
+            sender.send(f"req-{i}", s_ids)
+            moved.append((f"req-{i}", s_ids, d_ids))
+        for rid, s_ids, d_ids in moved:
+            r_res, s_res = receiver.wait(rid, 20), sender.wait(rid, 20)
+            assert (r_res.state, s_res.state) == (TransferState.DONE, TransferState.DONE), (r_res, s_res)
+            assert r_res.num_bytes == s_res.num_bytes == len(s_ids) * KVCache.bytes_per_page(_tiny())
+            _assert_pages_equal(dst, d_ids, src, s_ids)
+            receiver.release(rid), sender.release(rid)
+        for layer in range(4):  # pages nobody sent to are still zero
+            assert not dst.k[layer][dst_free].any() and not dst.v[layer][dst_free].any()
+        stats = receiver.pop_stats()
+        assert [s.request_id for s in stats] == [m[0] for m in moved] and all(s.ok for s in stats)
+    finally:
+        sender.close(), receiver.close()
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_tp2_to_tp1_merges_heads_exactly(dtype_name):
+    full = _filled_cache(10, seed=2, dtype_name=dtype_name)
+    shards = [_filled_cache(10, seed=2, dtype_name=dtype_name, heads=kv_heads_of_rank(2, 2, s)) for s in range(2)]
+    dst = KVCache.allocate(_tiny(), 12, dtype=getattr(torch, dtype_name))
+    cfg = TransferConfig(timeout_s=20)
+    receiver = KVReceiver(dst, config=cfg)
+    senders = [KVSender(shards[s], kv_head_start=s, config=cfg) for s in range(2)]
+    routes = plan_routes(2, 2, 1)
+    for r in routes:
+        _wire(senders[r.src], receiver, r, r_name=f"p{r.src}")
+    try:
+        s_ids, d_ids = [7, 0, 3, 9], [11, 4, 1, 6]
+        receiver.prepare_receive("a", d_ids)
+        for s in senders:
+            s.send("a", s_ids)
+        res = receiver.wait("a", 20)
+        assert res.state is TransferState.DONE, res
+        assert all(s.wait("a", 20).state is TransferState.DONE for s in senders)
+        _assert_pages_equal(dst, d_ids, full, s_ids)
+    finally:
+        for s in senders:
+            s.close()
+        receiver.close()
+
+
+def test_tp1_to_tp2_slices_heads_exactly():
+    full = _filled_cache(10, seed=3)
+    dsts = [_empty_shard(8, heads=1) for _ in range(2)]
+    cfg = TransferConfig(timeout_s=20)
+    sender = KVSender(full, config=cfg)
+    receivers = [KVReceiver(dsts[d], kv_head_start=d, config=cfg) for d in range(2)]
+    for r in plan_routes(2, 1, 2):
+        _wire(sender, receivers[r.dst], r, s_name=f"d{r.dst}")
+    try:
+        s_ids, d_ids = [2, 8, 5], [0, 7, 3]
+        for rc in receivers:
+            rc.prepare_receive("b", d_ids)
+        sender.send("b", s_ids)
+        assert sender.wait("b", 20).state is TransferState.DONE
+        for d, rc in enumerate(receivers):
+            assert rc.wait("b", 20).state is TransferState.DONE
+            _assert_pages_equal(dsts[d], d_ids, full, s_ids, src_heads=slice(d, d + 1))
+    finally:
+        sender.close()
+        for rc in receivers:
+            rc.close()
+
+
+class _CountingChannel:
+    """Counts the data messages a real channel sends."""
+
+    def __init__(self, inner):
+        self.inner, self.sends = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def send(self, buf, *, tag=""):
+        self.sends += 1
+        return self.inner.send(buf, tag=tag)
+
+
+def test_coalesced_is_the_default_and_per_page_messages_are_measured():
+    """Default config: one message per request here. The same transfer with one message per page per layer
+    (and family) is timed next to it and printed; no timing assertion (shared CI cores)."""
+    src = _filled_cache(64, seed=4)
+    dst = KVCache.allocate(_tiny(), 64)
+    ids = list(range(64))
+    row = src.page_size * 32 * 4  # the smallest page row (index-K, fp32): every page of every piece travels alone
+    timings = {}
+    for label, cfg in (("coalesced (default)", TransferConfig()),
+                       ("one message per page per layer", TransferConfig(max_chunk_bytes=row))):
+        sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+        rx, tx = _pair()
+        counting = _CountingChannel(tx)
+        receiver.add_peer("p0", rx, plan_routes(2, 1, 1)[0])
+        sender.add_peer("d0", counting, plan_routes(2, 1, 1)[0])
+        try:
+            sender.wait_ready(30)
+            best = float("inf")
+            for rep in range(3):
+                dst.k[0].zero_()
+                rid = f"{label}-{rep}"
+                t0 = time.perf_counter()
+                receiver.prepare_receive(rid, ids)
+                sender.send(rid, ids)
+                assert sender.wait(rid, 60).state is TransferState.DONE
+                best = min(best, time.perf_counter() - t0)
+                assert receiver.wait(rid, 60).state is TransferState.DONE
+            _assert_pages_equal(dst, ids, src, ids)
+            timings[label] = (best, counting.sends // 3)
+        finally:
+            sender.close(), receiver.close()
+    nbytes = 64 * KVCache.bytes_per_page(_tiny())
+    for label, (sec, msgs) in timings.items():
+        print(f"\n{label}: {msgs} messages, {sec * 1e3:.1f} ms, {nbytes / sec / 1e6:.0f} MB/s for {nbytes} B")
+    assert timings["coalesced (default)"][1] == 1
+    assert timings["one message per page per layer"][1] == 64 * (4 * 2 + 3)
+
+
+def test_injected_faults_end_failed_with_reasons_and_the_pair_survives_refusals():
+    src = _filled_cache(16, seed=6)
+    dst = KVCache.allocate(_tiny(), 16)
+    cfg = TransferConfig(timeout_s=1.5, receive_timeout_s=1.0, verify_checksum=True)
+    faults = {"bad-header": "corrupt_header", "bad-bytes": "corrupt_payload", "dropped": "drop_payload"}
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _wire(sender, receiver, plan_routes(2, 1, 1)[0], faults=faults)
+    try:
+        sender.wait_ready(30)
+
+        def run(rid, s_ids, d_ids):
+            receiver.prepare_receive(rid, d_ids)
+            sender.send(rid, s_ids)
+            return sender.wait(rid, 10), receiver.wait(rid, 10)
+
+        s, r = run("bad-header", [1, 2], [3, 4])
+        assert (s.state, r.state) == (TransferState.FAILED, TransferState.FAILED)
+        assert "header mismatch: dtype" in r.reason and "rejected by receiver" in s.reason
+        assert not dst.k[0][[3, 4]].any()  # refused data never lands
+
+        s, r = run("bad-bytes", [1, 2], [3, 4])
+        assert "checksum mismatch" in r.reason and "checksum mismatch" in s.reason
+
+        s, r = run("page-count", [1, 2, 5], [3, 4])  # a real disagreement, no fake needed
+        assert "num_pages 3 != 2" in r.reason and s.state is TransferState.FAILED
+
+        receiver.prepare_receive("aborted", [6])  # client gone before prefill sent anything
+        assert receiver.abort("aborted") is True and receiver.state("aborted") is TransferState.FAILED
+        sender.send("aborted", [6])
+        s = sender.wait("aborted", 10)
+        assert "aborted" in s.reason and "rejected by receiver" in s.reason
+
+        s, r = run("ok-after-refusals", [7, 8], [9, 10])  # the pair stayed in step through all of that
+        assert (s.state, r.state) == (TransferState.DONE, TransferState.DONE)
+        _assert_pages_equal(dst, [9, 10], src, [7, 8])
+
+        receiver.prepare_receive("never-sent", [11])  # prefill never comes: the receive times out
+        time.sleep(1.1)
+        r = receiver.wait("never-sent", 1)
+        assert r.state is TransferState.FAILED and r.reason.startswith("p0: timeout: no KV arrived")
+
+        s, r = run("dropped", [1], [12])  # header, then silence: a dead peer mid-transfer breaks the pair
+        assert s.state is TransferState.FAILED and s.reason.startswith("d0: timeout")
+        assert r.state is TransferState.FAILED and r.reason.startswith("p0: timeout")
+        assert receiver.broken_peers() and sender.broken_peers()
+
+        s, r = run("after-break", [2], [13])  # fails fast on both sides
+        assert "pair_broken" in s.reason and "pair_broken" in r.reason
+        for rid in ("bad-header", "bad-bytes", "page-count", "ok-after-refusals", "dropped", "after-break"):
+            assert sender.release(rid).settled and receiver.release(rid).settled
+    finally:
+        sender.close(), receiver.close()
+
+
+def test_peer_gone_before_the_header():
+    src, dst = _filled_cache(4, seed=8), KVCache.allocate(_tiny(), 4)
+    cfg = TransferConfig(timeout_s=2, receive_timeout_s=0.5)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _wire(sender, receiver, plan_routes(2, 1, 1)[0], faults={"x": "peer_gone"})
+    try:
+        sender.wait_ready(30)
+        receiver.prepare_receive("x", [0])
+        sender.send("x", [1])
+        s = sender.wait("x", 5)
+        assert s.state is TransferState.FAILED and "peer_gone" in s.reason
+        r = receiver.wait("x", 5)
+        assert r.state is TransferState.FAILED and "timeout" in r.reason
+    finally:
+        sender.close(), receiver.close()
+
+
+def test_listener_closing_fails_pending_receives():
+    dst = KVCache.allocate(_tiny(), 4)
+    receiver = KVReceiver(dst, config=TransferConfig())
+    sender = KVSender(_filled_cache(4, seed=9), config=TransferConfig())
+    _wire(sender, receiver, plan_routes(2, 1, 1)[0])
+    sender.wait_ready(30)
+    receiver.prepare_receive("y", [1])
+    sender.close()  # the prefill side goes away cleanly: pending receives fail instead of hanging
+    r = receiver.wait("y", 5)
+    receiver.close()
+    assert r.state is TransferState.FAILED and "closed" in r.reason
+
+
+# ---- across processes ----------------------------------------------------------------------------------------
+_SENDER_SCRIPT = '''
+import json, sys
+from workers.transfer import KVSender, TransferConfig, plan_routes
+from workers.transport import PairChannel
+
+host, port, spec = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+src = _filled_cache(spec["num_pages"], seed=spec["seed"], dtype_name=spec["dtype"])
+sender = KVSender(src, config=TransferConfig(timeout_s=30, max_chunk_bytes=spec["chunk"]))
+sender.add_peer("d0", PairChannel.connect((host, port), timeout_s=60), plan_routes(2, 1, 1)[0])
+for rid, ids in spec["requests"].items():
+    sender.send(rid, ids)
+out = {rid: sender.wait(rid, 60).state.value for rid in spec["requests"]}
+sender.close()
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _script(body: str) -> str:
+    return textwrap.dedent(inspect.getsource(_filled_cache)) + "\n" + body
+
+
+def test_two_plain_processes_move_pages_bitwise():
+    spec = {"num_pages": 20, "seed": 11, "dtype": "bfloat16", "chunk": 30_000,
+            "requests": {"p-0": [4, 19, 0], "p-1": [7], "p-2": [1, 2, 3, 5, 8, 13]}}
+    src = _filled_cache(20, seed=11, dtype_name="bfloat16")
+    dst = KVCache.allocate(_tiny(), 32, dtype=torch.bfloat16)
+    receiver = KVReceiver(dst, config=TransferConfig(timeout_s=30, receive_timeout_s=90))
+    listener = PairChannel.listen(timeout_s=60)
+    receiver.add_peer("p0", listener, plan_routes(2, 1, 1)[0])
+    dst_ids = {"p-0": [31, 0, 16], "p-1": [9], "p-2": [2, 30, 11, 5, 24, 18]}
+    for rid, ids in dst_ids.items():
+        receiver.prepare_receive(rid, ids)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _script(_SENDER_SCRIPT), *map(str, listener.address),
+                           json.dumps(spec)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+        assert json.loads(line[7:]) == {rid: "done" for rid in dst_ids}
+        for rid, ids in dst_ids.items():
+            assert receiver.wait(rid, 30).state is TransferState.DONE
+            _assert_pages_equal(dst, ids, src, spec["requests"][rid])
+    finally:
+        receiver.close()
+
+
+_RAY_SCRIPT = '''
+import json, sys
+import ray, torch
+from workers.transfer import KVReceiver, KVSender, TransferConfig, plan_routes
+from workers.transport import PairChannel
+
+ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
+         log_to_driver=False, configure_logging=False)
+
+@ray.remote(num_cpus=1)
+class Decode:
+    def __init__(self):
+        from msa.config import M3Config
+        from msa.kv_cache import KVCache
+        from workers.configio import load_yaml, preset_path
+        self.kv = KVCache.allocate(load_yaml(preset_path("models", "tiny"), M3Config), 16)
+        self.rx = KVReceiver(self.kv, config=TransferConfig(timeout_s=30))
+    def listen(self):
+        ch = PairChannel.listen(timeout_s=60)
+        self.rx.add_peer("p0", ch, plan_routes(2, 1, 1)[0])
+        return ch.address
+    def prepare(self, rid, ids):
+        self.rx.prepare_receive(rid, ids)
+    def collect(self, rid, ids):
+        st = self.rx.wait(rid, 60).state.value
+        return st, [t[ids] for t in self.kv.k + self.kv.v + [x for x in self.kv.index_k if x is not None]]
+
+@ray.remote(num_cpus=1)
+class Prefill:
+    def __init__(self):
+        self.kv = _filled_cache(12, seed=21)
+        self.tx = KVSender(self.kv, config=TransferConfig(timeout_s=30))
+    def connect(self, address):
+        self.tx.add_peer("d0", PairChannel.connect(tuple(address), timeout_s=60), plan_routes(2, 1, 1)[0])
+    def send(self, rid, ids):
+        self.tx.send(rid, ids)
+        return self.tx.wait(rid, 60).state.value
+    def pages(self, ids):
+        return [t[ids] for t in self.kv.k + self.kv.v + [x for x in self.kv.index_k if x is not None]]
+
+d, p = Decode.remote(), Prefill.remote()
+ray.get(p.connect.remote(ray.get(d.listen.remote())))
+ok = True
+for rid, s_ids, d_ids in [("r-0", [3, 11, 0], [15, 2, 7]), ("r-1", [5, 6], [0, 1])]:
+    ray.get(d.prepare.remote(rid, d_ids))
+    sent = ray.get(p.send.remote(rid, s_ids))
+    got_state, got = ray.get(d.collect.remote(rid, d_ids))
+    want = ray.get(p.pages.remote(s_ids))
+    same = all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want) == 11
+    print(rid, sent, got_state, same)
+    ok &= sent == got_state == "done" and same
+print("RESULT " + json.dumps(ok))
+ray.shutdown()
+'''
+
+
+def test_two_ray_actors_move_pages_bitwise():
+    ray_tmp = tempfile.mkdtemp(prefix="kvt", dir="/tmp")  # short: Ray's socket paths have a length limit
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_tmp)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _script(_RAY_SCRIPT)], capture_output=True, text=True,
+                              timeout=180, env=env, cwd=ROOT)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    assert json.loads(line[7:]) is True, proc.stdout[-2000:]
