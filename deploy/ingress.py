@@ -4,8 +4,8 @@ Everything that needs text happens here: auth, body validation, the chat templat
 deltas into OpenAI responses or SSE chunks, logprob formatting. Below this deployment there are only token ids.
 Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
 """
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Serve's class-based FastAPI views need real annotation objects
+# to recognise `Request` and body models in route signatures.
 import asyncio
 import hmac
 import logging
@@ -218,8 +218,136 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+def _not_ready_message(state: dict) -> str:
+    if state.get("error"):
+        return f"not ready: {state['error']}"
+    failed = [e for e in state.get("engines", []) if e.get("state") == "failed"]
+    if failed:
+        return f"not ready: engine {failed[0]['role']}-{failed[0]['replica']} failed to load: {failed[0]['error']}"
+    loading = [e for e in state.get("engines", []) if not e.get("ready")]
+    return f"not ready: {len(loading)} engine replica(s) still loading"
+
+
+class _Stream:
+    """One engine request's event stream through the router, with its first event already received."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.first: EngineChunk | EngineError | BaseException | None = None
+        self.done = False
+
+    async def receive_first(self) -> None:
+        try:
+            self.first = await self.gen.__anext__()
+        except StopAsyncIteration:
+            self.first = EngineError(status=500, message="the engine ended the request without output",
+                                     code="internal_error")
+        except Exception as e:  # the router or an engine replica is gone
+            self.first = e
+
+    async def chunks(self) -> AsyncIterator[EngineChunk]:
+        """The first chunk, then the rest until the request finishes; an error event raises ApiError."""
+        event = self.first
+        while True:
+            if isinstance(event, EngineError):
+                self.done = True
+                raise ApiError.from_engine(event)
+            yield event
+            if event.finished:
+                self.done = True
+                return
+            try:
+                event = await self.gen.__anext__()
+            except StopAsyncIteration:
+                self.done = True
+                return
+
+    def close(self) -> None:
+        """Cancel the request down the chain (router -> engine abort) unless it already ended."""
+        if not self.done:
+            self.done = True
+            self.gen.cancel()
+
+
+def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
+    for s in chunk.samples:
+        c = choices[s.index]
+        c.token_ids.extend(s.token_ids)
+        c.text += s.text
+        if s.logprobs:
+            c.logprobs.extend(s.logprobs)
+        if s.finish_reason is not None:
+            c.finish_reason, c.stop_reason = s.finish_reason, s.stop_reason
+
+
+async def _merge(streams: list[_Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of several requests as they arrive, tagged with the prompt index. Leaving early (client gone)
+    cancels every request still running."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0].chunks():
+                yield 0, chunk
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(p: int, stream: _Stream) -> None:
+        try:
+            async for chunk in stream.chunks():
+                await queue.put((p, chunk))
+        except Exception as e:  # handed to the consumer, which re-raises
+            await queue.put((p, e))
+        finally:
+            await queue.put((p, done_marker))
+
+    tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            p, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield p, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body that never dies mid-flight with a trace: a failure becomes an OpenAI error event + [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as e:
+        yield sse_event(e.body())
+        yield SSE_DONE
+    except Exception as e:
+        logger.error("stream failed: %r", e)
+        yield sse_event(ApiError(500, f"the stream failed ({type(e).__name__})", code="internal_error").body())
+        yield SSE_DONE
+
+
+TINY_MODEL_NAME = "m3-tiny"
+
+
+def model_name_for(config: ServeConfig, model_dir: str | Path) -> str:
+    """The name clients pass as `model`: `config.model_name`, else the checkpoint directory's name (the built-in
+    tiny model's cache directory carries a hash, so it is called `m3-tiny`)."""
+    if config.model_name:
+        return config.model_name
+    return TINY_MODEL_NAME if config.model is None else Path(model_dir).name
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# The deployment
+# The deployment. It stays last in the module: Serve pickles the decorated class when the decorator runs, and
+# module globals defined after that point would be missing in the replica.
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -580,130 +708,3 @@ class Ingress:
             yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=[],
                                                 usage=_usage(prompt_tokens, generated)))
         yield SSE_DONE
-
-
-def _not_ready_message(state: dict) -> str:
-    if state.get("error"):
-        return f"not ready: {state['error']}"
-    failed = [e for e in state.get("engines", []) if e.get("state") == "failed"]
-    if failed:
-        return f"not ready: engine {failed[0]['role']}-{failed[0]['replica']} failed to load: {failed[0]['error']}"
-    loading = [e for e in state.get("engines", []) if not e.get("ready")]
-    return f"not ready: {len(loading)} engine replica(s) still loading"
-
-
-class _Stream:
-    """One engine request's event stream through the router, with its first event already received."""
-
-    def __init__(self, gen: Any) -> None:
-        self.gen = gen
-        self.first: EngineChunk | EngineError | BaseException | None = None
-        self.done = False
-
-    async def receive_first(self) -> None:
-        try:
-            self.first = await self.gen.__anext__()
-        except StopAsyncIteration:
-            self.first = EngineError(status=500, message="the engine ended the request without output",
-                                     code="internal_error")
-        except Exception as e:  # the router or an engine replica is gone
-            self.first = e
-
-    async def chunks(self) -> AsyncIterator[EngineChunk]:
-        """The first chunk, then the rest until the request finishes; an error event raises ApiError."""
-        event = self.first
-        while True:
-            if isinstance(event, EngineError):
-                self.done = True
-                raise ApiError.from_engine(event)
-            yield event
-            if event.finished:
-                self.done = True
-                return
-            try:
-                event = await self.gen.__anext__()
-            except StopAsyncIteration:
-                self.done = True
-                return
-
-    def close(self) -> None:
-        """Cancel the request down the chain (router -> engine abort) unless it already ended."""
-        if not self.done:
-            self.done = True
-            self.gen.cancel()
-
-
-def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
-    for s in chunk.samples:
-        c = choices[s.index]
-        c.token_ids.extend(s.token_ids)
-        c.text += s.text
-        if s.logprobs:
-            c.logprobs.extend(s.logprobs)
-        if s.finish_reason is not None:
-            c.finish_reason, c.stop_reason = s.finish_reason, s.stop_reason
-
-
-async def _merge(streams: list[_Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """Chunks of several requests as they arrive, tagged with the prompt index. Leaving early (client gone)
-    cancels every request still running."""
-    if len(streams) == 1:
-        try:
-            async for chunk in streams[0].chunks():
-                yield 0, chunk
-        finally:
-            streams[0].close()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done_marker = object()
-
-    async def pump(p: int, stream: _Stream) -> None:
-        try:
-            async for chunk in stream.chunks():
-                await queue.put((p, chunk))
-        except Exception as e:  # handed to the consumer, which re-raises
-            await queue.put((p, e))
-        finally:
-            await queue.put((p, done_marker))
-
-    tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            p, item = await queue.get()
-            if item is done_marker:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield p, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.close()
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """An SSE body that never dies mid-flight with a trace: a failure becomes an OpenAI error event + [DONE]."""
-    try:
-        async for event in events:
-            yield event
-    except ApiError as e:
-        yield sse_event(e.body())
-        yield SSE_DONE
-    except Exception as e:
-        logger.error("stream failed: %r", e)
-        yield sse_event(ApiError(500, f"the stream failed ({type(e).__name__})", code="internal_error").body())
-        yield SSE_DONE
-
-
-TINY_MODEL_NAME = "m3-tiny"
-
-
-def model_name_for(config: ServeConfig, model_dir: str | Path) -> str:
-    """The name clients pass as `model`: `config.model_name`, else the checkpoint directory's name (the built-in
-    tiny model's cache directory carries a hash, so it is called `m3-tiny`)."""
-    if config.model_name:
-        return config.model_name
-    return TINY_MODEL_NAME if config.model is None else Path(model_dir).name

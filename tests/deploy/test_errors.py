@@ -1,0 +1,178 @@
+"""Every error the API promises, in OpenAI's shape and with its status, through real Ray Serve; after each one
+the server still serves. Also: 429 + Retry-After when the waiting queue overflows, and 503 while an engine is
+not ready (a checkpoint whose weights are corrupt never becomes ready; the server says why and stays up)."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import httpx
+import pytest
+
+MAX_LEN = 512  # conftest TEST_CONFIG engine.max_model_len
+VOCAB = 384  # the tiny preset
+
+
+def assert_openai_error(r: httpx.Response, status: int, *, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert "Traceback" not in err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+        assert param.split(".")[0] in err["message"] or status in (404,), err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def still_serves(app) -> None:
+    r = httpx.post(f"{app.base_url}/v1/completions", headers=app.headers, timeout=60,
+                   json={"model": app.model, "prompt": [5, 6], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def _completion(app, **fields):
+    return {"model": app.model, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+def _chat(app, **fields):
+    return {"model": app.model, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+# (name, path, body builder, expected status, param, code)
+CASES = [
+    ("negative temperature", "/v1/completions", lambda a: _completion(a, temperature=-1), 400, "temperature", None),
+    ("top_p zero", "/v1/chat/completions", lambda a: _chat(a, top_p=0), 400, "top_p", None),
+    ("n zero", "/v1/completions", lambda a: _completion(a, n=0), 400, "n", None),
+    ("logprobs too many", "/v1/completions", lambda a: _completion(a, logprobs=50), 400, "logprobs", None),
+    ("misspelt field", "/v1/completions", lambda a: _completion(a, max_token=3), 400, "max_token", None),
+    ("wrong type", "/v1/completions", lambda a: _completion(a, max_tokens="ten"), 400, "max_tokens", None),
+    ("zero max_tokens", "/v1/completions", lambda a: _completion(a, max_tokens=0), 400, "max_tokens", None),
+    ("no messages", "/v1/chat/completions", lambda a: _chat(a, messages=[]), 400, "messages", None),
+    ("bad role", "/v1/chat/completions",
+     lambda a: _chat(a, messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role", None),
+    ("top_logprobs alone", "/v1/chat/completions", lambda a: _chat(a, top_logprobs=2), 400, "top_logprobs", None),
+    ("empty prompt", "/v1/completions", lambda a: _completion(a, prompt=[]), 400, "prompt", None),
+    ("token out of vocab", "/v1/completions", lambda a: _completion(a, prompt=[1, VOCAB + 5]), 400, "prompt", None),
+    ("prompt too long", "/v1/completions", lambda a: _completion(a, prompt=[7] * MAX_LEN), 400, "prompt",
+     "context_length_exceeded"),
+    ("prompt + max_tokens too long", "/v1/completions",
+     lambda a: _completion(a, prompt=[7] * 500, max_tokens=20), 400, "max_tokens", "context_length_exceeded"),
+    ("chat too long", "/v1/chat/completions",
+     lambda a: _chat(a, messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages",
+     "context_length_exceeded"),
+    ("unknown model", "/v1/completions", lambda a: _completion(a, model="gpt-17"), 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("name,path,build,status,param,code", CASES, ids=[c[0] for c in CASES])
+def test_error_case(serve_app, name, path, build, status, param, code):
+    r = httpx.post(f"{serve_app.base_url}{path}", json=build(serve_app), headers=serve_app.headers, timeout=60)
+    assert_openai_error(r, status, param=param, code=code)
+    still_serves(serve_app)
+
+
+def test_malformed_json_unknown_route_and_auth(serve_app):
+    url = f"{serve_app.base_url}/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={**serve_app.headers, "Content-Type": "application/json"})
+    assert_openai_error(r, 400)
+    assert_openai_error(httpx.get(f"{serve_app.base_url}/v1/nothing", headers=serve_app.headers), 404)
+    body = _completion(serve_app)
+    err = assert_openai_error(httpx.post(url, json=body), 401, code="invalid_api_key")
+    assert err["type"] == "authentication_error"
+    assert_openai_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_openai_error(httpx.get(f"{serve_app.base_url}/v1/models"), 401)
+    still_serves(serve_app)
+
+
+def test_openai_client_raises_typed_errors(serve_app):
+    import openai
+
+    client = serve_app.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=serve_app.model, messages=[{"role": "user", "content": "x"}],
+                                       temperature=-3)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{serve_app.base_url}/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_queue_overflow_answers_429_with_retry_after(serve_app):
+    """More long requests at once than max_num_seqs (16) + max_waiting (32): the overflow gets 429 +
+    Retry-After at once; then every client leaves, and the aborted requests free all their pages."""
+    serve_app.wait_idle()
+    body = {"model": serve_app.model, "prompt": [9, 8, 7, 6], "max_tokens": 400, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    total = 64
+
+    async def one(http: httpx.AsyncClient, results: list) -> None:
+        async with http.stream("POST", f"{serve_app.base_url}/v1/completions", json=body,
+                               headers=serve_app.headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+                return
+            results.append((200, None, None))
+            async for _ in r.aiter_lines():  # hold the stream open until cancelled
+                pass
+
+    async def main() -> list:
+        results: list = []
+        limits = httpx.Limits(max_connections=total + 4)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as http:
+            tasks = [asyncio.create_task(one(http, results)) for _ in range(total)]
+            deadline = asyncio.get_running_loop().time() + 60
+            while not any(s == 429 for s, _, _ in results) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return results
+
+    results = asyncio.run(main())
+    rejected = [(ra, body) for s, ra, body in results if s == 429]
+    assert rejected, f"no 429 among {[s for s, _, _ in results]}"
+    retry_after, err = rejected[0]
+    assert retry_after is not None and int(retry_after) >= 1
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["type"] == "rate_limit_error"
+    assert all(s in (200, 429) for s, _, _ in results), results
+    serve_app.wait_idle(timeout=60)
+    still_serves(serve_app)
+
+
+@pytest.fixture(scope="module")
+def broken_app(serve_app, tmp_path_factory):
+    """A second app whose checkpoint has a valid tokenizer and config but corrupt weights."""
+    broken = tmp_path_factory.mktemp("broken") / "m3-broken"
+    shutil.copytree(serve_app.model_dir, broken)
+    for shard in broken.glob("*.safetensors"):
+        shard.write_bytes(b"this is not a safetensors file")
+    base = serve_app.deploy_extra("broken", {**serve_app.config, "model": str(broken), "api_key": None})
+    yield base
+    serve_app.delete_extra("broken")
+
+
+def test_not_ready_engine_gives_503_and_server_stays_up(serve_app, broken_app):
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:
+        r = httpx.get(f"{broken_app}/health", timeout=30)
+        err = assert_openai_error(r, 503, code="not_ready")
+        if "failed to load" in err["message"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert "failed to load" in err["message"], err
+    assert r.headers.get("retry-after") is not None
+    r = httpx.post(f"{broken_app}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert_openai_error(r, 503, code="not_ready")
+    still_serves(serve_app)

@@ -1,0 +1,119 @@
+"""`serve deploy` of the documented config file (deploy/serve_deploy_example.yaml) against a Ray head started
+with `ray start --head` on loopback, then real requests through it.
+
+The head is private to this test: its own temp dir (so no other `ray.init()` on the machine joins it), its own
+ports, and it is stopped by signalling the process group this test started (never `ray stop`, which would end
+every Ray process of the machine).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "deploy" / "serve_deploy_example.yaml"
+BIN = Path(sys.executable).parent
+
+
+def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def ray_head(serve_helpers):
+    """A `ray start --head --block` on 127.0.0.1 with free ports; yields (dashboard URL, env)."""
+    temp_dir = tempfile.mkdtemp(prefix="m3d", dir="/tmp")  # short: Ray's unix socket paths are length-limited
+    ports = {name: serve_helpers.free_port() for name in ("gcs", "dash", "agent_http", "agent_grpc", "client", "metrics",
+                                            "runtime_env", "node_manager", "object_manager")}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+           f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dash']}",
+           f"--dashboard-agent-listen-port={ports['agent_http']}",
+           f"--dashboard-agent-grpc-port={ports['agent_grpc']}", f"--ray-client-server-port={ports['client']}",
+           f"--metrics-export-port={ports['metrics']}", f"--runtime-env-agent-port={ports['runtime_env']}",
+           f"--node-manager-port={ports['node_manager']}", f"--object-manager-port={ports['object_manager']}",
+           "--num-cpus=2", f"--object-store-memory={256 * 2**20}", "--disable-usage-stats",
+           f"--temp-dir={temp_dir}"]
+    log = open(Path(temp_dir) / "head.log", "w")
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    dashboard = f"http://127.0.0.1:{ports['dash']}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # the dashboard's REST API is what `serve deploy` talks to
+            if head.poll() is not None:
+                raise RuntimeError(f"ray start exited {head.returncode}: {Path(log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{dashboard}/api/version", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dashboard never came up: {Path(log.name).read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield dashboard, env
+    finally:
+        _stop_group(head)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the head's process group (the --block process then stops its node), SIGKILL what lingers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def test_serve_deploy_example_serves(ray_head, serve_helpers, tmp_path):
+    dashboard, env = ray_head
+    config = yaml.safe_load(EXAMPLE.read_text())
+    # The documented file as is, except the HTTP port (8000 may be taken by another server on this machine).
+    port = serve_helpers.free_port()
+    config["http_options"]["port"] = port
+    assert config["http_options"]["host"] == "127.0.0.1"
+    assert config["applications"][0]["import_path"] == "deploy.app:build_app"
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+
+    r = _run([str(BIN / "serve"), "deploy", str(path), "--address", dashboard], env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    base = f"http://127.0.0.1:{port}"
+    try:
+        serve_helpers.wait_healthy(base, timeout=180)
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{base}/v1", api_key="EMPTY", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["m3-tiny"]
+        done = client.completions.create(model="m3-tiny", prompt="Hello", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert done.usage.completion_tokens == 5 and done.choices[0].finish_reason == "length"
+        chunks = list(client.chat.completions.create(model="m3-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        status = _run([str(BIN / "serve"), "status", "--address", dashboard], env)
+        assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
+    finally:
+        _run([str(BIN / "serve"), "shutdown", "-y", "--address", dashboard], env)
