@@ -148,6 +148,13 @@ class Engine:
             self._close_stats(tracked, "abort")
         return True
 
+    def abort_all(self) -> int:
+        """Abort every request in flight (shutdown). Returns how many."""
+        ids = list(self._tracked)
+        for rid in ids:
+            self.abort_request(rid)
+        return len(ids)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

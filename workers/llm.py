@@ -45,9 +45,9 @@ class LLM:
         param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(param_list) != len(prompts):
             raise ValueError(f"params: {len(param_list)} sampling params for {len(prompts)} prompts")
+        tokenized = [self._tokens(prompt) for prompt in prompts]
         order: list[str] = []
-        for prompt, p in zip(prompts, param_list):
-            text, ids = self._tokens(prompt)
+        for (text, ids), p in zip(tokenized, param_list):
             rid = f"llm-{next(self._ids)}"
             try:
                 self.engine.add_request(rid, ids, p, prompt=text)

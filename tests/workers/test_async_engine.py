@@ -1,0 +1,140 @@
+"""AsyncEngine: streaming from the background step thread, early exits (client gone) abort and free pages in
+prefill and in decode, bad requests and a full queue fail before the first output."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+
+import pytest
+
+from workers.async_engine import AsyncEngine, QueueFullError
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.request import SamplingParams
+
+
+def ids(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 384) for _ in range(n)]
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture
+def make_async(tiny_ckpt):
+    made = []
+
+    def factory(**kw):
+        ae = AsyncEngine(lambda: Engine(tiny_ckpt, engine_config=EngineConfig(**kw)))
+        made.append(ae)
+        return ae
+
+    yield factory
+    for ae in made:
+        try:
+            wait_until(lambda: ae.stats().num_pages_free == ae.stats().num_pages_total and not ae.num_in_flight)
+            assert ae.engine.pages.owners() == {}
+        finally:
+            ae.shutdown()
+        assert not ae._thread.is_alive()
+
+
+def wait_until(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+async def await_until(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streams_yield_each_token_and_match_the_sync_engine(make_async, make_llm):
+    prompts = [ids(n, n) for n in (5, 40, 90)]
+    want = [o.outputs[0].token_ids for o in
+            make_llm(num_pages=64).generate([{"prompt_token_ids": p} for p in prompts], greedy(6))]
+    ae = make_async(num_pages=64)
+
+    async def consume(rid, p):
+        seen = []
+        async for out in ae.generate(rid, p, greedy(6)):
+            seen.append(list(out.outputs[0].token_ids))
+        return seen
+
+    async def main():
+        return await asyncio.gather(*(consume(f"r{i}", p) for i, p in enumerate(prompts)))
+
+    streams = asyncio.run(main())
+    for seen, w in zip(streams, want):
+        assert seen[-1] == w
+        assert [len(s) for s in seen] == list(range(1, 7))  # one output per token, cumulative
+    assert [s.finished_reason for s in ae.pop_request_stats()].count("length") == 3
+
+
+def test_early_exit_mid_decode_and_mid_prefill_frees_pages(make_async):
+    ae = make_async(num_pages=64, max_num_batched_tokens=16)
+
+    async def main():
+        # mid-decode: the client stops reading after two tokens
+        async with contextlib.aclosing(ae.generate("dec", ids(10), greedy(200))) as gen:
+            n = 0
+            async for _ in gen:
+                n += 1
+                if n == 2:
+                    break
+        await await_until(lambda: ae.stats().num_pages_free == 64 and ae.stats().num_running == 0)
+        # leaving with `break` and dropping the iterator (no explicit close) also aborts
+        gen = ae.generate("dec2", ids(10, 1), greedy(200))
+        async for _ in gen:
+            break
+        del gen
+        await await_until(lambda: ae.stats().num_pages_free == 64 and ae.stats().num_running == 0)
+
+        # mid-prefill: 300 prompt tokens at 16 per step; the consumer is cancelled before any output
+        async def consume():
+            async for _ in ae.generate("pre", ids(300, 2), greedy(5)):
+                pass
+
+        task = asyncio.create_task(consume())
+        await await_until(lambda: 0 < ae.stats().num_pages_total - ae.stats().num_pages_free < 19)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await await_until(lambda: ae.stats().num_pages_free == 64 and not ae.engine.has_unfinished())
+
+    asyncio.run(main())
+    reasons = {s.request_id: s.finished_reason for s in ae.pop_request_stats()}
+    assert reasons == {"dec": "abort", "dec2": "abort", "pre": "abort"}
+
+
+def test_bad_request_and_full_queue_fail_before_the_first_output(make_async):
+    ae = make_async(num_pages=64, max_num_seqs=1, max_waiting=1)
+
+    async def main():
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            async for _ in ae.generate("bad", [], greedy(1)):
+                pass
+        first = ae.generate("a", ids(8), greedy(100))
+        await first.__anext__()  # running, holding the only seat
+        second = ae.generate("b", ids(8, 1), greedy(3))
+        second_task = asyncio.ensure_future(second.__anext__())  # queued: waits for the seat
+        await await_until(lambda: ae.stats().num_waiting == 1)
+        with pytest.raises(QueueFullError):
+            await ae.generate("c", ids(8, 2), greedy(1)).__anext__()
+        with pytest.raises(ValueError, match="request_id"):
+            await ae.generate("a", ids(8), greedy(1)).__anext__()
+        await first.aclose()  # frees the seat: b runs to completion
+        out = await second_task
+        async for out in second:
+            pass
+        assert out.finished and len(out.outputs[0].token_ids) == 3
+
+    asyncio.run(main())
