@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     add("--max-num-seqs", type=int, help="requests batched together per engine")
     add("--max-waiting", type=int, help="waiting-queue bound per engine; beyond it the server answers 429")
-    add("--api-key", help=f"require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
+    add("--api-key", help="require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
     add("--address", help="join this Ray cluster instead of starting a local one (e.g. auto, 10.0.0.1:6379)")
     add("--num-cpus", type=float, help="CPUs of the local Ray instance (default: all)")
 
@@ -115,10 +115,12 @@ def usage_text(base: str, model: str, api_key: bool) -> str:
     auth = f' -H "Authorization: Bearer {key}"' if api_key else ""
     return (
         f"serving '{model}' at {base}/v1 (health: {base}/health)\n"
+        + ("  (export M3SERVE_API_KEY=<the key> for the examples below)\n" if api_key else "") +
         f"  curl {base}/v1/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
         f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='{key}'); "
-        f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}]))\"\n"
+        f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi'}}], "
+        f"max_tokens=16).choices[0].message.content)\"\n"
         f"Ctrl-C stops the server."
     )
 

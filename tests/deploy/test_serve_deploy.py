@@ -117,3 +117,40 @@ def test_serve_deploy_example_serves(ray_head, serve_helpers, tmp_path):
         assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
     finally:
         _run([str(BIN / "serve"), "shutdown", "-y", "--address", dashboard], env)
+
+
+def test_cli_serve_answers_then_stops_cleanly_on_sigterm(serve_helpers):
+    """`m3serve serve` (tiny model, local Ray): prints how to call it once ready, serves, and exits 0 on SIGTERM
+    after shutting Serve and its Ray instance down."""
+    port = serve_helpers.free_port()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(BIN / "m3serve"), "serve", "--port", str(port), "--num-cpus", "2",
+                             "--max-model-len", "256", "--api-key", "k"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines: list[str] = []
+    import threading
+
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Ctrl-C stops the server" in ln for ln in lines):
+            assert proc.poll() is None, "".join(lines)
+            assert time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.3)
+        text = "".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in text and "m3-tiny" in text and "Authorization: Bearer" in text
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": "Bearer k"},
+                       json={"model": "m3-tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi"}).status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, "".join(lines)
+        reader.join(5)
+        assert "stopped" in "".join(lines)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        _stop_group(proc)
