@@ -166,8 +166,10 @@ def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> i
     return max(1, min(want, max_blocks))
 
 
-# rows up to this many blocks select inside the scores kernel (one launch); longer rows use the selection kernel
-FUSED_MAX_BLOCKS = 256
+# tables up to this many blocks would select inside the scores kernel (one launch). Off (0): measured slower on
+# the H200 (B=1 x 8.7k: 11.5 vs 8.0 us; B=64: 64.1 vs 44.5 us), the selection state raising every scores program's
+# registers; kept, tested, as `fused=True`, for the next try (docs/benchmarks.md).
+FUSED_MAX_BLOCKS = 0
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -224,7 +226,8 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
     `out` [N, Hi, topk] int32 may be a view (the decode suffix of a mixed batch); `scores` [N, Hi, max_pages]
     fp32 an optional scratch buffer (a graph-stable one). No host syncs, fixed grid for fixed shapes.
     fused None: one launch (selection by each row's last program) when the table has <= FUSED_MAX_BLOCKS
-    blocks, else scores then selection; True/False force it (the fused path needs topk <= the block width).
+    blocks (default 0: never), else scores then selection; True/False force it (fused needs topk <= the
+    power-of-two block width).
     """
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
