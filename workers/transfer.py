@@ -579,9 +579,10 @@ class _SendWorker(_PairWorker):
                     inflight.append((self.channel.send(buf, tag=op.request_id), buf))
                 if header.checksum:
                     self.channel.put(f"c{seq}", json.dumps(sums).encode(), tag=op.request_id)
-                while inflight:
-                    self.channel.wait_work(inflight.popleft()[0], deadline, "send")
+            # the receiver's status implies every send completed; waiting for it first saves a polling round
             status = json.loads(self.channel.get(f"s{seq}", deadline - time.monotonic()))
+            while inflight:
+                self.channel.wait_work(inflight.popleft()[0], deadline, "send")
         except TransferError as exc:  # mid-payload: the pair is out of step now
             self._break(str(exc))
             self.end._finish(op, TransferState.FAILED, str(exc))
@@ -590,6 +591,7 @@ class _SendWorker(_PairWorker):
             self.end._finish(op, TransferState.DONE)
         else:  # the receiver refused the header or the data; it drained the payload, the pair is still usable
             self.end._finish(op, TransferState.FAILED, f"rejected by receiver: {status.get('reason')}")
+        self.channel.delete(f"s{seq}")
 
 
 class KVSender(_Endpoint):
@@ -719,11 +721,15 @@ class _RecvWorker(_PairWorker):
         except TransferError as exc:
             self._break(str(exc))
             return False
+        self.channel.delete(f"h{seq}")
+        if header.checksum:
+            self.channel.delete(f"c{seq}")
         return True
 
     def _land(self, chunk, buf, work, header: KVHeader, pieces, op, problem, sums, deadline) -> None:
-        """Wait for one received chunk and scatter it into the prepared pages (unless the header was refused)."""
-        self.channel.wait_work(work, deadline, "recv")
+        """Scatter one received chunk into the prepared pages (unless the header was refused), ordered after
+        its receive."""
+        self.channel.order_after(work, deadline, "recv")
         if header.checksum:
             sums.append(_words_sum(buf))
         if op is None or problem is not None:

@@ -84,6 +84,7 @@ class PairChannel:
         # on one would stall everybody else using the same object
         self._ctl = self._client()
         self._aux = self._client()
+        self._get_timeout: float | None = None
         self._pg: Any = None
         self._open_lock = threading.Lock()
         self.closed = False
@@ -145,14 +146,22 @@ class PairChannel:
             raise _classify(exc, f"store set {key}") from exc
 
     def get(self, key: str, timeout_s: float, *, tag: str = "") -> bytes:
-        """Block until `key` exists (at most `timeout_s`), then return and delete it."""
+        """Block until `key` exists (at most `timeout_s`) and return it (one round trip: the store's `get`
+        waits for the key itself)."""
         try:
-            self._ctl.wait([key], _td(timeout_s))
-            value = self._ctl.get(key)
-            self._ctl.delete_key(key)
-            return value
+            if timeout_s != self._get_timeout:
+                self._ctl.set_timeout(_td(timeout_s))
+                self._get_timeout = timeout_s
+            return self._ctl.get(key)
         except Exception as exc:
-            raise _classify(exc, f"store wait {key}") from exc
+            raise _classify(exc, f"store get {key}") from exc
+
+    def delete(self, key: str) -> None:
+        """Drop a consumed key (off the critical path: after the transfer it belonged to)."""
+        try:
+            self._ctl.delete_key(key)
+        except Exception:
+            pass
 
     def wake(self, key: str, value: bytes) -> None:
         """Set a key from another thread (used to wake a worker blocked in `get`)."""
@@ -191,6 +200,18 @@ class PairChannel:
             work.wait()
         except Exception as exc:
             raise _classify(exc, what) from exc
+
+    def order_after(self, work: Any, deadline: float, what: str) -> None:
+        """Make what the current thread queues next run after `work`. NCCL: stream ordering only, the CPU does
+        not wait (so the scatter kernels are launched while the bytes are still in flight; the caller enforces
+        the deadline on the stream afterwards). gloo: the CPU waits, as in `wait_work`."""
+        if self.backend == "nccl":
+            try:
+                work.wait()
+            except Exception as exc:
+                raise _classify(exc, what) from exc
+        else:
+            self.wait_work(work, deadline, what)
 
     def abort(self) -> None:
         """Tear the data plane down (a pending NCCL kernel is killed); the channel is unusable afterwards."""
