@@ -21,6 +21,12 @@ for _k, _v in _RAY_ENV.items():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton reads TRITON_INTERPRET once, when it is first imported (any test folder may import it first through
+# workers -> msa -> kernels). Without a GPU, run Triton kernels in the interpreter; launchers still default to
+# the torch references on CPU tensors, so only tests that ask for backend="triton" see a difference.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
