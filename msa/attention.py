@@ -53,7 +53,7 @@ class M3Attention(nn.Module):
             block_ids = self.indexer.select(q_idx, idx_cache, meta)
             out = sparse_attention(q, k_cache, v_cache, meta.page_tables, meta.row_seq, meta.positions, block_ids,
                                    self.scale, num_prefill_rows=meta.num_prefill_tokens)
-        return self.o_proj(out.reshape(h.shape[0], -1))
+        return self.o_proj(out.flatten(1))
 
 
 __all__ = ["M3Attention"]

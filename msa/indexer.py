@@ -32,7 +32,7 @@ class Indexer(nn.Module):
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] (the attention input) -> index q [T, Hi_local, Di], index k [T, Di]; both normed (own weights)
         and rotated with the same partial RoPE as the main q/k."""
-        q = self.q_norm(self.q_proj(h).view(h.shape[0], -1, self.head_dim))
+        q = self.q_norm(self.q_proj(h).view(h.shape[0], self.q_proj.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(h))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 

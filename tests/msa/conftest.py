@@ -80,8 +80,9 @@ def shuffled_pages(num_pages: int, need: int, seed: int) -> list[int]:
 
 def prefill_logits(model, ids: torch.Tensor, kv: KVCache, page_table: list[int], start: int = 0) -> torch.Tensor:
     """Run `ids` as one prefill chunk at `start` and return fp32 logits for every token [T, vocab]."""
-    meta = build_metadata([ChunkSpec(page_table, start, len(ids), False, all_logits=True)], kv.page_size)
-    hidden = model(ids, meta, kv)
+    device = kv.k[0].device
+    meta = build_metadata([ChunkSpec(page_table, start, len(ids), False, all_logits=True)], kv.page_size, device)
+    hidden = model(ids.to(device), meta, kv)
     return model.compute_logits(hidden[meta.logits_indices])
 
 

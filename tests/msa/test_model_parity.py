@@ -114,3 +114,29 @@ if __name__ == "__main__":
 
     rank_, world_, axis_, init_, ckpt_, out_ = sys.argv[1:]
     _sharded_worker(int(rank_), int(world_), axis_, init_, ckpt_, out_)
+
+
+def test_bf16_model_is_as_close_to_fp32_as_the_reference_bf16(ckpts, mh, tiny_cfg):
+    """bf16 weights and cache (router kept fp32, logits returned fp32): per-position error against the fp32
+    reference is small and no worse than transformers' own bf16 run of the same checkpoint."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+
+    ids = mh.random_ids(tiny_cfg, 100, 4)
+    want = ckpts.reference_logits(tiny_cfg, 0, ids)
+    ref16 = MiniMaxM3VLForCausalLM.from_pretrained(ckpts.path(tiny_cfg, 0, "transformers"),
+                                                   attn_implementation="eager", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref16_logits = ref16(ids[None]).logits[0].float()
+    model = ckpts.model(tiny_cfg, 0, "hub", dtype=torch.bfloat16)
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    kv = KVCache.allocate(tiny_cfg, 7, dtype=torch.bfloat16)
+    got = mh.prefill_logits(model, ids, kv, list(range(7)))
+    assert got.dtype == torch.float32
+
+    def per_pos(x):
+        return (x - want).abs().amax(-1) / want.abs().max()
+
+    ours, theirs = per_pos(got).median().item(), per_pos(ref16_logits).median().item()
+    assert ours <= 0.05, f"median per-position error of the bf16 model: {ours:.3f}"
+    assert ours <= 1.5 * theirs + 0.01, f"bf16: ours {ours:.4f} vs transformers' {theirs:.4f}"
