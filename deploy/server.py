@@ -131,7 +131,7 @@ class EngineServer:
             "ready": self._state == "ready",
             "seconds": self._load_seconds if self._load_seconds is not None
             else time.monotonic() - self._load_started,
-            "max_model_len": self._config.engine.max_model_len,
+            "max_model_len": self._max_model_len(),
         }
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ class EngineServer:
         if self._engine is None:
             yield self._not_ready()
             return
-        from workers.async_engine import QueueFullError
+        from workers.async_engine import EngineDeadError, QueueFullError
 
         tracker = _DeltaTracker()
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
@@ -159,6 +159,10 @@ class EngineServer:
         except ValueError as e:
             refused = True
             yield EngineError(status=400, message=str(e), param=param_of(str(e)))
+        except EngineDeadError as e:  # the step thread died: this replica serves nothing more until restarted
+            refused = True
+            self._state, self._error = "failed", str(e)
+            yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
         finally:
             # Closing the engine's iterator aborts the request and frees its pages (client gone, or cancelled
             # by Serve when the HTTP client disconnected); the explicit abort covers an iterator never started.
@@ -186,6 +190,12 @@ class EngineServer:
             return []
         pop = getattr(self._engine, "pop_request_stats", None)
         return pop() if pop is not None else []
+
+    def _max_model_len(self) -> int:
+        """The engine's effective limit (it clamps to the model's positions), else the configured one."""
+        engine = getattr(self._engine, "engine", None)
+        config = getattr(engine, "engine_config", None)
+        return config.max_model_len if config is not None else self._config.engine.max_model_len
 
     def _not_ready(self) -> EngineError:
         if self._state == "failed":

@@ -120,7 +120,7 @@ class ServeApp:
     def delete_extra(self, name: str) -> None:
         from ray import serve
 
-        serve.delete(name)
+        serve.delete(name, _blocking=False)  # its replicas stop in the background; nothing waits on them
         self.extra_apps.remove(name)
 
 
