@@ -28,6 +28,18 @@ class SampleRow:
     suppressed_ids: list[int]  # EOS / stop ids while fewer than min_tokens exist
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PromptLogprobChunk:
+    """A prefill chunk whose every position's logits are wanted: position start + j predicts prompt token
+    `target_ids[j]` (only positions whose next token is still in the prompt have a target)."""
+
+    chunk_index: int
+    seq_id: int
+    start: int
+    target_ids: list[int]
+    num_top: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepBatch:
     """One step for a shard. `input_ids[T]` in chunk order (prefill chunks first, decode rows last);
@@ -38,6 +50,7 @@ class StepBatch:
     sample_chunks: list[int]
     rows: list[SampleRow]
     released_seq_ids: list[int]  # sequences gone since the last step: the shard drops their RNG state
+    prompt_logprob_chunks: list[PromptLogprobChunk] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -62,19 +75,54 @@ def _row(seq, eos_token_ids: Iterable[int]) -> SampleRow:
     )
 
 
+def _prompt_logprob_chunk(i: int, c, next_target: int | None) -> PromptLogprobChunk | None:
+    """Where `next_target` (the first prompt position whose logprob is still missing) falls inside the chunk's
+    targets, ask for every logit of the chunk."""
+    seq = c.seq
+    if next_target is None or c.is_decode:
+        return None
+    end = min(c.start + c.num_tokens, seq.num_prompt_tokens - 1)  # positions p with a target p + 1 in the prompt
+    if max(next_target, c.start + 1) > end:
+        return None  # every target of this chunk is collected already (a recompute after preemption)
+    return PromptLogprobChunk(chunk_index=i, seq_id=seq.seq_id, start=c.start,
+                              target_ids=seq.token_ids[c.start + 1:end + 1], num_top=seq.request.params.prompt_logprobs)
+
+
 def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids: Sequence[int] = (),
-                     released_seq_ids: Sequence[int] = ()) -> StepBatch:
-    """Flatten one scheduler output. Page tables are copied: the live lists keep growing after this step."""
+                     released_seq_ids: Sequence[int] = (),
+                     prompt_logprob_progress: dict[int, int] | None = None) -> StepBatch:
+    """Flatten one scheduler output. Page tables are copied: the live lists keep growing after this step.
+
+    `prompt_logprob_progress`: seq id -> the next prompt position whose logprob is wanted, for sequences
+    collecting prompt logprobs."""
     input_ids: list[int] = []
     chunks: list[ChunkSpec] = []
     sample_chunks: list[int] = []
     rows: list[SampleRow] = []
+    plp: list[PromptLogprobChunk] = []
+    progress = prompt_logprob_progress or {}
     for i, c in enumerate(out.chunks):
         seq = c.seq
         input_ids.extend(seq.token_ids[c.start:c.start + c.num_tokens])
-        chunks.append(ChunkSpec(list(pages.page_table(seq.seq_id)), c.start, c.num_tokens, c.is_decode))
+        want = _prompt_logprob_chunk(i, c, progress.get(seq.seq_id)) if progress else None
+        if want is not None:
+            plp.append(want)
+        chunks.append(ChunkSpec(list(pages.page_table(seq.seq_id)), c.start, c.num_tokens, c.is_decode,
+                                all_logits=want is not None))
         if c.sample:
             sample_chunks.append(i)
             rows.append(_row(seq, eos_token_ids))
     return StepBatch(input_ids=input_ids, chunks=chunks, sample_chunks=sample_chunks, rows=rows,
-                     released_seq_ids=list(released_seq_ids))
+                     released_seq_ids=list(released_seq_ids), prompt_logprob_chunks=plp)
+
+
+def logits_row_of_chunk(chunks: Sequence[ChunkSpec]) -> tuple[list[int], list[int]]:
+    """(first, last) index into `meta.logits_indices` of each chunk: one row per chunk, every token's row for
+    chunks with all_logits (build_metadata's order)."""
+    first, last, n = [], [], 0
+    for c in chunks:
+        k = c.num_tokens if c.all_logits else 1
+        first.append(n)
+        last.append(n + k - 1)
+        n += k
+    return first, last

@@ -86,6 +86,11 @@ class _Tracked:
     stats: RequestStats
     holdback: int
     token_times: list[float] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # position 0 is None (nothing predicts it)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.req.prompt_token_ids)
 
 
 class Engine:
@@ -111,6 +116,7 @@ class Engine:
         self.scheduler = Scheduler(self.engine_config, self.pages, eos_token_ids=self.eos_token_ids,
                                    vocab_size=self.model_config.vocab_size)
         self._tracked: dict[str, _Tracked] = {}
+        self._prompt_logprob_pending: dict[str, _Tracked] = {}
         self._released_seq_ids: list[int] = []
         self._finished_stats: list[RequestStats] = []
         self._step_stats: deque[StepStats] = deque(maxlen=4096)
@@ -135,12 +141,16 @@ class Engine:
             stats=RequestStats(request_id=request_id, role=self.role, prompt_tokens=len(req.prompt_token_ids),
                                arrival_time=req.arrival_time),
             holdback=stop_holdback(params.stop),
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
+        if params.prompt_logprobs is not None and len(req.prompt_token_ids) > 1:
+            self._prompt_logprob_pending[request_id] = self._tracked[request_id]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request in any state and free its pages. False if it is unknown or already finished."""
         req = self.scheduler.abort(request_id)
         tracked = self._tracked.pop(request_id, None)
+        self._prompt_logprob_pending.pop(request_id, None)
         if req is None:
             return False
         self._released_seq_ids.extend(s.seq_id for s in req.seqs)
@@ -168,10 +178,13 @@ class Engine:
             if self.scheduler.has_unfinished() and not sched_out.preempted:
                 raise RuntimeError("scheduler: requests are queued but none could be scheduled")
             return []
+        progress = {t.req.seqs[0].seq_id: len(t.prompt_logprobs) for t in self._prompt_logprob_pending.values()}
         batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
-                                 released_seq_ids=self._released_seq_ids)
+                                 released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress)
         self._released_seq_ids = []
         result = self.executor.execute(batch)
+        for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
+            self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
         sampled: list[int | None] = [None] * len(sched_out.chunks)
         row_of_seq: dict[int, int] = {}
         for r, (ci, tok) in enumerate(zip(batch.sample_chunks, result.token_ids, strict=True)):
@@ -189,6 +202,7 @@ class Engine:
             if t.req.finished:
                 self._released_seq_ids.extend(s.seq_id for s in t.req.seqs)
                 del self._tracked[t.req.request_id]
+                self._prompt_logprob_pending.pop(t.req.request_id, None)
                 self._close_stats(t, None)
         self.num_steps += 1
         step_time = time.perf_counter() - t0
@@ -197,6 +211,16 @@ class Engine:
             num_prefill_tokens=sched_out.num_prefill_tokens, num_decode_tokens=sched_out.num_decode_tokens,
             batch_size=len(sched_out.chunks), num_preemptions=len(sched_out.preempted)))
         return outputs
+
+    def _on_prompt_logprobs(self, request_id: str, start: int, dicts: list[dict[int, float]]) -> None:
+        t = self._prompt_logprob_pending.get(request_id)
+        if t is None:
+            return
+        for j, d in enumerate(dicts):
+            if start + 1 + j == len(t.prompt_logprobs):  # in order, each position once (recompute repeats some)
+                t.prompt_logprobs.append(d)
+        if t.prompt_logprobs_done:
+            del self._prompt_logprob_pending[request_id]
 
     def _on_token(self, t: _Tracked, seq: Seq, token: int, logprobs: dict[int, float] | None, now: float) -> None:
         i = seq.index
@@ -236,7 +260,8 @@ class Engine:
                                          logprobs=list(t.logprobs[i]) if t.logprobs[i] is not None else None,
                                          finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request_id=req.request_id, prompt=t.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=req.finished)
+                             outputs=outs, finished=req.finished,
+                             prompt_logprobs=list(t.prompt_logprobs) if t.prompt_logprobs_done else None)
 
     def _close_stats(self, t: _Tracked, reason: str | None) -> None:
         s = t.stats

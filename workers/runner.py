@@ -14,9 +14,9 @@ from msa.config import M3Config, load_config
 from msa.kv_cache import KVCache
 from msa.model import load_model
 from msa.parallel import ParallelContext
-from workers.batch import StepBatch
+from workers.batch import StepBatch, logits_row_of_chunk
 from workers.config import EngineConfig
-from workers.sampler import Sampler, SamplingBatch, make_generator
+from workers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +57,8 @@ class StepResult:
     logprobs: list[dict[int, float] | None]  # per row: sampled token + top-N, None where not requested
     forward_time: float  # seconds in the model forward + logits (device synchronised)
     sample_time: float  # seconds building the sampling batch and sampling
+    # per StepBatch.prompt_logprob_chunks entry: {target token: logprob, + top-N} for each of its targets
+    prompt_logprobs: list[list[dict[int, float]]] = ()
 
 
 class ModelRunner:
@@ -86,27 +88,42 @@ class ModelRunner:
         for sid in batch.released_seq_ids:
             self._generators.pop(sid, None)
         if not batch.chunks:
-            return StepResult(token_ids=[], logprobs=[], forward_time=0.0, sample_time=0.0)
+            return StepResult(token_ids=[], logprobs=[], forward_time=0.0, sample_time=0.0, prompt_logprobs=[])
         t0 = time.perf_counter()
         meta = batch.to_metadata(self.page_size, self.device)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, meta, self.kv)
+        first, last = logits_row_of_chunk(batch.chunks)
+        # Only the sampling chunks (and prompt-logprob chunks) need the LM head, not every chunk's last token.
+        want = [last[i] for i in batch.sample_chunks]
+        plp_rows = []
+        for pc in batch.prompt_logprob_chunks:
+            plp_rows.append(len(want))
+            want.extend(range(first[pc.chunk_index], first[pc.chunk_index] + len(pc.target_ids)))
         logits = None
-        if batch.rows:
-            # logits_indices holds each chunk's last token; only the sampling chunks need the LM head.
-            rows = meta.logits_indices[torch.tensor(batch.sample_chunks, dtype=torch.int64).to(self.device)]
+        if want:
+            rows = meta.logits_indices[torch.tensor(want, dtype=torch.int64).to(self.device)]
             logits = self.model.compute_logits(hidden[rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
-        if logits is None:
-            return StepResult(token_ids=[], logprobs=[], forward_time=t1 - t0, sample_time=0.0)
-        out, num_logprobs = self._sample(logits, batch)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprob_dicts(num_logprobs) if any(k is not None for k in num_logprobs) else \
-            [None] * len(token_ids)
+        token_ids: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        if batch.rows:
+            out, num_logprobs = self._sample(logits[:len(batch.rows)], batch)
+            token_ids = out.token_ids.tolist()
+            logprobs = out.logprob_dicts(num_logprobs) if any(k is not None for k in num_logprobs) else \
+                [None] * len(token_ids)
+        prompt_lps = [self._prompt_logprobs(logits[r:r + len(pc.target_ids)], pc)
+                      for r, pc in zip(plp_rows, batch.prompt_logprob_chunks)]
         return StepResult(token_ids=token_ids, logprobs=logprobs, forward_time=t1 - t0,
-                          sample_time=time.perf_counter() - t1)
+                          sample_time=time.perf_counter() - t1, prompt_logprobs=prompt_lps)
+
+    def _prompt_logprobs(self, logits: torch.Tensor, pc) -> list[dict[int, float]]:
+        targets = torch.tensor(pc.target_ids, dtype=torch.int64).to(self.device)
+        chosen, top_ids, top_lps = gather_logprobs(logits, targets, pc.num_top)
+        out = SamplerOutput(token_ids=targets, logprobs=chosen, top_token_ids=top_ids, top_logprobs=top_lps)
+        return out.logprob_dicts([pc.num_top] * len(pc.target_ids))
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch):
         rows = batch.rows

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence as Seq
 from dataclasses import dataclass, field
 
 from workers.config import EngineConfig
-from workers.pages import PageManager
+from workers.pages import PageManager, PrefixHit
 from workers.request import SamplingParams
 
 
@@ -277,7 +277,9 @@ class Scheduler:
             seats = 1 if req.forked or seq.index > 0 else req.params.n
             if seats_taken + seats > max_seqs:
                 break
-            hit = self.pages.find_cached_prefix(seq.token_ids)
+            # Prompt logprobs need the logits of every prompt position: cached pages would skip them.
+            hit = (self.pages.find_cached_prefix(seq.token_ids) if req.params.prompt_logprobs is None
+                   else PrefixHit((), (), self.pages.page_size))
             n = min(seq.num_tokens - hit.num_tokens, budget)
             if not self.pages.can_admit(hit.num_tokens + n, hit, ignore_watermark=not self.running):
                 break  # head-of-line: keep arrival order

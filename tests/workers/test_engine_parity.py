@@ -84,3 +84,23 @@ def test_n_samples_share_prompt_pages_and_prefix_hits_match(make_llm, reference)
     hits = {s.prompt_tokens: s.prefix_cache_hit_tokens for s in llm.engine.pop_request_stats()}
     assert hits[110] == 96  # 6 full pages of 16 (the 7th is partial)
     assert hits[170] == 0
+
+
+def test_prompt_logprobs_match_transformers(make_llm, hf_model):
+    # a 32-token budget splits the prompts into chunks; the same prompts ran before, so the prefix cache holds
+    # their pages, which prompt-logprob requests must not use
+    llm = make_llm(num_pages=64, max_num_batched_tokens=32)
+    ps = [prompts()[i] for i in (3, 8, 13)]  # 17, 80 and 150 tokens
+    llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0.0, max_tokens=1))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3, n=2))
+    for p, o in zip(ps, outs):
+        with torch.no_grad():
+            want = torch.log_softmax(hf_model(torch.tensor([p])).logits[0].float(), -1)
+        plp = o.prompt_logprobs
+        assert plp is not None and len(plp) == len(p) and plp[0] is None
+        for i in range(1, len(p)):
+            top = torch.topk(want[i - 1], 3).indices.tolist()
+            assert set(plp[i]) == {p[i], *top}, f"len {len(p)} position {i}"
+            for tid, lp in plp[i].items():
+                assert abs(lp - float(want[i - 1, tid])) <= 1e-4

@@ -8,11 +8,25 @@ from collections import Counter
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from sched_sim import SimModel, reference_output
 from workers.config import EngineConfig
 from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.scheduler import Scheduler, SeqStatus
+
+
+def _load_sim():
+    """sched_sim.py beside this file (importlib import mode puts no test folder on sys.path)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("workers_tests_sched_sim", Path(__file__).with_name("sched_sim.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_sim = _load_sim()
+SimModel, reference_output = _sim.SimModel, _sim.reference_output
 
 
 def check_invariants(s: Scheduler) -> None:
