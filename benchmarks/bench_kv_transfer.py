@@ -158,11 +158,13 @@ def sender_main(conn, addresses, argv) -> None:
     plan = schedule(args, cfg, dtype)
     pool = 2 * max(p["pages"] for p in plan) + 8
     kv = random_cache(cfg, pool, dtype, device, seed=1)
-    ceil_ch = PairChannel.connect(addresses["ceiling"], backend=backend, device=device, timeout_s=args.timeout)
+    wire_timeout = 2 * args.timeout  # a channel outlives any one transfer (NCCL watchdog)
+    ceil_ch = PairChannel.connect(addresses["ceiling"], backend=backend, device=device, timeout_s=wire_timeout)
     ceil_ch.open()
     sender = KVSender(kv, config=TransferConfig(timeout_s=args.timeout))
+    route = plan_routes(cfg.num_key_value_heads, 1, 1)[0]
     sender.add_peer("d0", PairChannel.connect(addresses["kv"], backend=backend, device=device,
-                                              timeout_s=args.timeout), plan_routes(cfg.num_key_value_heads, 1, 1)[0])
+                                              timeout_s=wire_timeout), route)
     sender.wait_ready(args.timeout)
     gen = torch.Generator().manual_seed(2)
     while True:
@@ -202,13 +204,13 @@ def main(argv=None) -> int:
     plan = schedule(args, cfg, dtype)
     pool = 2 * max(p["pages"] for p in plan) + 8
     kv = random_cache(cfg, pool, dtype, device, seed=3)  # overwritten by the transfers; random so stale != new
-    ceil_ch = PairChannel.listen(backend=backend, device=device, timeout_s=args.timeout)
-    kv_ch = PairChannel.listen(backend=backend, device=device, timeout_s=args.timeout)
+    ceil_ch = PairChannel.listen(backend=backend, device=device, timeout_s=2 * args.timeout)
+    kv_ch = PairChannel.listen(backend=backend, device=device, timeout_s=2 * args.timeout)
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
         target=sender_main, args=(child, {"ceiling": ceil_ch.address, "kv": kv_ch.address}, argv), daemon=True)
     proc.start()
-    receiver = KVReceiver(kv, config=TransferConfig(timeout_s=args.timeout, receive_timeout_s=args.timeout))
+    receiver = KVReceiver(kv, config=TransferConfig(timeout_s=args.timeout, receive_timeout_s=2 * args.timeout))
     receiver.add_peer("p0", kv_ch, plan_routes(cfg.num_key_value_heads, 1, 1)[0])
     ceil_ch.open()
     receiver.wait_ready(args.timeout)

@@ -38,7 +38,7 @@ import torch
 from kernels.paged_kv import scatter_pages
 from msa.kv_cache import KVCache
 from workers.stats import TransferStats
-from workers.transport import PairChannel, PeerGone, TransferError, TransferTimeout
+from workers.transport import PairChannel, PeerGone, TransferError, TransferTimeout, poll_until
 
 _CLOSE = b"__close__"
 _HEADER_VERSION = 1
@@ -276,6 +276,11 @@ class _Endpoint:
         self._stats: list[TransferStats] = []
 
     # --- peers ---
+    def _check_channel(self, channel: PairChannel) -> None:
+        if getattr(channel, "backend", "gloo") == "nccl" and channel.timeout_s <= self.config.timeout_s:
+            raise ValueError(f"channel: timeout_s {channel.timeout_s} must exceed the transfer timeout "
+                             f"{self.config.timeout_s} (NCCL's watchdog would fire before this end gives up)")
+
     def _check_route(self, route: Route) -> None:
         lo, hi = self.kv_head_start, self.kv_head_start + self.num_local_heads
         if not lo <= route.head_start < route.head_end <= hi:
@@ -414,6 +419,15 @@ class _Endpoint:
             self._ops[request_id] = ops
             return ops
 
+    def _fail_unsettled(self, peer: str, why: str) -> None:
+        """The pair's worker died: every op of that pair that is not settled ends FAILED."""
+        with self._cond:
+            for ops in self._ops.values():
+                op = ops.get(peer)
+                if op is not None and not op.state.final:
+                    op.state, op.reason, op.finished = TransferState.FAILED, why, time.monotonic()
+            self._cond.notify_all()
+
     def _peer_broken(self, peer: str, why: str) -> None:
         with self._cond:
             for ops in self._ops.values():
@@ -462,12 +476,16 @@ class _PairWorker:
                 torch.cuda.set_device(self.end.device)
                 self._stream = torch.cuda.Stream(self.end.device)
             self.channel.open()
-        except TransferError as exc:
+        except Exception as exc:
             self._break(str(exc))
             self.ready.set()
             return
         self.ready.set()
-        self._loop()
+        try:
+            self._loop()
+        except Exception as exc:  # a bug or a device error: never leave an op TRANSFERRING with no thread
+            self._break(f"internal: {type(exc).__name__}: {exc}")
+            self.end._fail_unsettled(self.name, f"internal: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         raise NotImplementedError
@@ -490,10 +508,7 @@ class _PairWorker:
             return
         ev = torch.cuda.Event()
         ev.record(self._stream)
-        while not ev.query():
-            if time.monotonic() > deadline:
-                raise TransferTimeout("device copies not finished in time")
-            time.sleep(20e-6)
+        poll_until(ev.query, deadline, "device copies")
 
 
 # ---- sender -------------------------------------------------------------------------------------------------
@@ -583,7 +598,9 @@ class _SendWorker(_PairWorker):
             status = json.loads(self.channel.get(f"s{seq}", deadline - time.monotonic()))
             while inflight:
                 self.channel.wait_work(inflight.popleft()[0], deadline, "send")
-        except TransferError as exc:  # mid-payload: the pair is out of step now
+        except Exception as exc:  # mid-payload (wire or device error): the pair is out of step now
+            if not isinstance(exc, TransferError):
+                exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
             self._break(str(exc))
             self.end._finish(op, TransferState.FAILED, str(exc))
             return
@@ -608,6 +625,7 @@ class KVSender(_Endpoint):
         if name in self._workers:
             raise ValueError(f"name: peer {name!r} already added")
         self._check_route(route)
+        self._check_channel(channel)
         w = _SendWorker(self, name, channel, route)
         self._workers[name] = w
         w.start()
@@ -705,7 +723,9 @@ class _RecvWorker(_PairWorker):
                 sent = json.loads(self.channel.get(f"c{seq}", deadline - time.monotonic()))
                 if problem is None and sent != sums:
                     problem = f"checksum mismatch: sent {sent} received {sums}"
-        except TransferError as exc:
+        except Exception as exc:  # mid-payload (wire or device error): the pair is out of step now
+            if not isinstance(exc, TransferError):
+                exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
             if op is not None:
                 self.end._finish(op, TransferState.FAILED, str(exc))
             self._break(str(exc))
@@ -756,6 +776,7 @@ class KVReceiver(_Endpoint):
         if name in self._workers:
             raise ValueError(f"name: peer {name!r} already added")
         self._check_route(route)
+        self._check_channel(channel)
         w = _RecvWorker(self, name, channel, route)
         self._workers[name] = w
         w.start()

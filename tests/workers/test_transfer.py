@@ -489,3 +489,26 @@ def test_two_ray_actors_move_pages_bitwise():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     assert json.loads(line[7:]) is True, proc.stdout[-2000:]
+
+
+def test_device_error_mid_payload_fails_both_sides(monkeypatch):
+    """An exception that is not a wire error (here: the gather) must still settle the op, never hang it."""
+    import workers.transfer as transfer
+
+    def broken_gather(*a, **k):
+        raise RuntimeError("simulated device fault")
+
+    monkeypatch.setattr(transfer._SendWorker, "_gather", broken_gather)
+    src, dst = _filled_cache(4, seed=10), KVCache.allocate(_tiny(), 4)
+    cfg = TransferConfig(timeout_s=1.0)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _wire(sender, receiver, plan_routes(2, 1, 1)[0])
+    try:
+        sender.wait_ready(30)
+        receiver.prepare_receive("z", [0, 1])
+        sender.send("z", [2, 3])
+        s, r = sender.wait("z", 5), receiver.wait("z", 5)
+        assert s.state is TransferState.FAILED and "internal: RuntimeError: simulated device fault" in s.reason
+        assert r.state is TransferState.FAILED and r.settled
+    finally:
+        sender.close(), receiver.close()
