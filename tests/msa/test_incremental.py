@@ -26,12 +26,20 @@ def _step(model, kv, chunks, ids):
     return model.compute_logits(model(ids, meta, kv)[meta.logits_indices])
 
 
-@pytest.mark.parametrize("chunk_sizes", [[37, 16, 1, 50], [5, 64, 31]])
-def test_chunked_prefill_then_decode_equals_full_prefill(ckpts, mh, tiny, tiny_cfg, chunk_sizes):
-    cfg, n = tiny_cfg, 130  # 9 blocks of 16 vs top-4: selection active; decode crosses blocks 6->7->8
+GQA8_LOCAL2 = dict(num_hidden_layers=3, num_key_value_heads=1, index_n_heads=1, index_topk_blocks=2,
+                   index_local_blocks=2, layer_types=("minimax_m3_sparse", FULL_ATTENTION, "minimax_m3_sparse"),
+                   mlp_layer_types=("sparse", "dense", "sparse"))
+
+
+@pytest.mark.parametrize("overrides,chunk_sizes", [({}, [37, 16, 1, 50]), ({}, [5, 64, 31]),
+                                                   (GQA8_LOCAL2, [20, 47, 9])])
+def test_chunked_prefill_then_decode_equals_full_prefill(ckpts, mh, overrides, chunk_sizes):
+    # 130 tokens = 9 blocks of 16 vs top-4 (or top-2): selection active; decode crosses block boundaries
+    cfg, n = mh.tiny_config(**overrides), 130
+    model = ckpts.model(cfg, SEED, "hub")
     ids = mh.random_ids(cfg, n, 11)
     pages = -(-n // cfg.page_size)
-    full = mh.prefill_logits(tiny, ids, KVCache.allocate(cfg, pages), list(range(pages)))
+    full = mh.prefill_logits(model, ids, KVCache.allocate(cfg, pages), list(range(pages)))
     ref = ckpts.reference_logits(cfg, SEED, ids)
     assert mh.max_rel_err(full, ref) <= 1e-4
 
@@ -39,10 +47,10 @@ def test_chunked_prefill_then_decode_equals_full_prefill(ckpts, mh, tiny, tiny_c
     table = mh.shuffled_pages(3 * pages, pages, seed=len(chunk_sizes))
     got, pos = [], 0
     for size in chunk_sizes:  # prefill chunks, each attending to the cached context before it
-        got.append(mh.prefill_logits(tiny, ids[pos:pos + size], kv, table, start=pos))
+        got.append(mh.prefill_logits(model, ids[pos:pos + size], kv, table, start=pos))
         pos += size
     while pos < n:  # then one decode row per step
-        got.append(_step(tiny, kv, [ChunkSpec(table, pos, 1, True)], ids[pos:pos + 1]))
+        got.append(_step(model, kv, [ChunkSpec(table, pos, 1, True)], ids[pos:pos + 1]))
         pos += 1
     got = torch.cat(got)
     assert mh.max_rel_err(got, full) <= 1e-5
