@@ -153,3 +153,59 @@ def test_ep_ranks_hold_their_experts(ckpts, tiny_cfg, layout):
 def test_config_of_written_checkpoints_parses(ckpts, tiny_cfg):
     for layout in ("hub", "transformers"):
         assert load_config(ckpts.path(tiny_cfg, SEED, layout)) == tiny_cfg
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers"])
+def test_a_tp_rank_reads_only_its_slices_from_disk(ckpts, tiny_cfg, layout, monkeypatch):
+    """Count the elements each get_slice read returns: a tp=2 rank reads half of every sharded tensor and all
+    of the replicated ones, never a whole sharded tensor."""
+    import math
+
+    import safetensors
+
+    real_open = safetensors.safe_open
+    reads: dict[str, int] = {}
+
+    class CountingSlice:
+        def __init__(self, sl, key):
+            self.sl, self.key = sl, key
+
+        def get_shape(self):
+            return self.sl.get_shape()
+
+        def __getitem__(self, index):
+            out = self.sl[index]
+            reads[self.key] = reads.get(self.key, 0) + out.numel()
+            return out
+
+    class CountingOpen:
+        def __init__(self, *a, **kw):
+            self.f = real_open(*a, **kw)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return CountingSlice(self.inner.get_slice(key), key)
+
+    monkeypatch.setattr(safetensors, "safe_open", CountingOpen)
+    d = ckpts.path(tiny_cfg, SEED, layout)
+    load_model(d, ctx=_ctx(2, 1))
+    shapes = {}
+    for shard in d.glob("*.safetensors"):
+        with real_open(str(shard), "pt") as f:
+            shapes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+    replicated = ("norm.weight", "mlp.gate.weight", "moe.gate.weight", "e_score_correction_bias", "index_k_proj",
+                  "indexer.k_proj")
+    for key, n in reads.items():
+        full = math.prod(shapes[key])
+        want = full if any(r in key for r in replicated) else full // 2
+        assert n == want, f"{key}: read {n} of {full} elements"
+    assert sum(reads.values()) < 0.6 * sum(math.prod(shapes[k]) for k in reads)
