@@ -170,8 +170,7 @@ class KVHeadParallelLinear(PartitionedLinear):
 
 class RowParallelLinear(nn.Module):
     """Input dimension split over tp; partial products are summed with an all-reduce (unless reduce=False,
-    for a caller that fuses several partial sums into one all-reduce). `input_sizes` lists logical input parts
-    split separately (default: one part)."""
+    for a caller that fuses several partial sums into one all-reduce)."""
 
     def __init__(self, input_size: int, output_size: int, ctx: ParallelContext, *, dtype, device,
                  reduce: bool = True):

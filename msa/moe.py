@@ -13,8 +13,8 @@ from torch import nn
 
 from msa.config import M3Config
 from msa.layers import swiglu_oai_packed
-from msa.linear import ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read
-from msa.linear import replicated_loader
+from msa.linear import (ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read,
+                        replicated_loader)
 from msa.parallel import ParallelContext, all_reduce
 
 
