@@ -209,3 +209,30 @@ def test_a_tp_rank_reads_only_its_slices_from_disk(ckpts, tiny_cfg, layout, monk
         want = full if any(r in key for r in replicated) else full // 2
         assert n == want, f"{key}: read {n} of {full} elements"
     assert sum(reads.values()) < 0.6 * sum(math.prod(shapes[k]) for k in reads)
+
+
+@pytest.mark.parametrize("preset,tp", [("m3", 1), ("m3", 8), ("m3-slice", 4)])
+@pytest.mark.parametrize("layout", ["hub", "transformers"])
+def test_full_size_plans_accept_every_checkpoint_tensor(preset, tp, layout):
+    """Real M3 shapes (60 layers, 128 experts, vocab 200064) on the meta device: every tensor the checkpoint
+    writer emits maps to a parameter, every parameter is covered, and each loader accepts the tensor's shape
+    (tp=8 replicates the 4 KV heads)."""
+    from msa.checkpoint import checkpoint_tensors
+    from msa.config import M3Config
+    from msa.weights import load_plan
+    from workers.configio import load_yaml, preset_path
+
+    cfg = load_yaml(preset_path("models", preset), M3Config)
+    ctx = _ctx(tp, tp - 1)
+    model = M3ForCausalLM(cfg, ctx=ctx, device="meta", dtype=torch.bfloat16)
+    prefix = "language_model." if layout == "hub" else ""
+    outs = [o for o in checkpoint_tensors(cfg, layout) if o.key.startswith(prefix) and ".mtp." not in o.key]
+    plan = load_plan(model, layout)
+    assert {o.key[len(prefix):] for o in outs} == set(plan)
+    params = dict(model.named_parameters())
+    for o in outs:
+        name, shard = plan[o.key[len(prefix):]]
+        params[name].weight_loader(params[name], torch.empty(o.shape, device="meta"), shard)
+    attn = model.model.layers[-1].self_attn
+    assert attn.qkv_proj.num_heads == cfg.num_attention_heads // tp
+    assert attn.qkv_proj.num_kv_heads == max(1, cfg.num_key_value_heads // tp)
