@@ -71,15 +71,14 @@ def ray_head(serve_helpers):
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the head's process group (the --block process then stops its node), SIGKILL what lingers."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
+    """SIGINT the process we started (`ray start --block` then stops its node, as Ctrl-C would, in ~2 s), then
+    SIGKILL whatever is left in its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
