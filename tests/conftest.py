@@ -28,6 +28,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# The test models are tiny: intra-op threads cost far more than they give on a 2-core machine where Ray
+# workers share the cores (decode loops measured ~30x slower with the default thread count).
+if not torch.cuda.is_available():
+    torch.set_num_threads(1)
+
+
 def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
