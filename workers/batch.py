@@ -91,7 +91,7 @@ def _prompt_logprob_chunk(i: int, c, next_target: int | None) -> PromptLogprobCh
 def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids: Sequence[int] = (),
                      released_seq_ids: Sequence[int] = (),
                      prompt_logprob_progress: dict[int, int] | None = None) -> StepBatch:
-    """Flatten one scheduler output. Page tables are copied: the live lists keep growing after this step.
+    """Flatten one scheduler output for the executor; valid until the scheduler runs again.
 
     `prompt_logprob_progress`: seq id -> the next prompt position whose logprob is wanted, for sequences
     collecting prompt logprobs."""
@@ -107,7 +107,9 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
         want = _prompt_logprob_chunk(i, c, progress.get(seq.seq_id)) if progress else None
         if want is not None:
             plp.append(want)
-        chunks.append(ChunkSpec(list(pages.page_table(seq.seq_id)), c.start, c.num_tokens, c.is_decode,
+        # The live page table, not a copy: the executor consumes the batch (builds metadata, or pickles it for
+        # an actor) before the scheduler next grows it.
+        chunks.append(ChunkSpec(pages.page_table(seq.seq_id), c.start, c.num_tokens, c.is_decode,
                                 all_logits=want is not None))
         if c.sample:
             sample_chunks.append(i)

@@ -253,7 +253,7 @@ class Engine:
         for seq in req.seqs:
             i = seq.index
             text = t.texts[i]
-            if t.holdback and not seq.finished:
+            if t.holdback and seq.finish_reason is None:
                 # Never show the start of a stop string a later token may complete (the text would shrink).
                 text = text[:max(len(text) - t.holdback, 0)]
             outs.append(CompletionOutput(index=i, token_ids=seq.output_token_ids, text=text,
