@@ -3,7 +3,8 @@
 Each engine replica is its own Serve deployment (`EngineServer-<role>-<i>`, one replica each), so the router can
 address a replica by name: disaggregation needs exactly that (prefill on replica A sends pages to decode
 replica B). Load: the requests this router has in flight on each replica (exact, updated at once), tie-broken
-by the free pages the replica last reported (polled at most every `STATS_TTL_S`).
+by the queue the replica last reported (polled at most every `STATS_TTL_S`), then by which was used least
+recently, so equal replicas take turns even when requests arrive one at a time.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class Router:
         self._engines: dict[ReplicaKey, DeploymentHandle] = {
             (role, i): handle for role, handles in engines.items() for i, handle in enumerate(handles)}
         self._inflight: dict[ReplicaKey, int] = {key: 0 for key in self._engines}
+        self._last_used: dict[ReplicaKey, int] = {key: 0 for key in self._engines}
+        self._picks = 0
         self._where: dict[str, ReplicaKey] = {}  # request id -> replica, for aborts
         self._stats: dict[ReplicaKey, EngineStats] = {}
         self._counters: dict[ReplicaKey, dict] = {}
@@ -44,14 +47,18 @@ class Router:
         return [key for key in self._engines if key[0] == role]
 
     def _pick(self, role: str) -> ReplicaKey:
-        """Least loaded replica of `role`: fewest requests in flight from here, then most free pages."""
+        """Least loaded replica of `role`: fewest requests in flight from here, then the shortest waiting queue
+        (another router's load shows there), then the least recently chosen."""
         self._maybe_refresh_stats()
 
-        def load(key: ReplicaKey) -> tuple[int, int]:
+        def load(key: ReplicaKey) -> tuple[int, int, int]:
             stats = self._stats.get(key)
-            return self._inflight[key], -(stats.num_pages_free if stats else 0)
+            return self._inflight[key], stats.num_waiting if stats else 0, self._last_used[key]
 
-        return min(self._candidates(role), key=load)
+        key = min(self._candidates(role), key=load)
+        self._picks += 1
+        self._last_used[key] = self._picks
+        return key
 
     def _maybe_refresh_stats(self) -> None:
         if time.monotonic() - self._stats_time < STATS_TTL_S:

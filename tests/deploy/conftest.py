@@ -117,6 +117,10 @@ class ServeApp:
         self.extra_apps.append(name)
         return f"{self.base_url}/{name}"
 
+    @staticmethod
+    def wait_healthy_at(base_url: str, timeout: float = READY_TIMEOUT_S) -> None:
+        wait_healthy(base_url, timeout)
+
     def delete_extra(self, name: str) -> None:
         from ray import serve
 

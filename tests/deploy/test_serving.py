@@ -242,3 +242,70 @@ def test_client_disconnect_mid_stream_frees_pages(serve_app):
     # the request was cut short (aborted in the engine), not run to its 450 tokens
     assert after["aborted"] == before["aborted"] + 1, (before, after)
     assert after["finished"] == before["finished"]
+
+
+def test_stop_string_ends_the_completion(serve_app):
+    client = serve_app.client()
+    kw = dict(model=serve_app.model, prompt="Stop here", max_tokens=24, temperature=0,
+              extra_body={"ignore_eos": True})
+    free = client.completions.create(**kw).choices[0].text
+    stop = next((free[i:i + 2] for i in range(2, len(free) - 2) if free[i:i + 2].strip() and
+                 free.find(free[i:i + 2]) == i), None)
+    assert stop is not None, f"no usable stop string in {free!r}"
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert reason == ["stop"]
+        else:
+            choice = client.completions.create(**kw, stop=[stop]).choices[0]
+            text = choice.text
+            assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+        assert text == free[:free.find(stop)]
+
+
+@pytest.fixture(scope="module")
+def two_replica_app(serve_app):
+    cfg = {**serve_app.config, "api_key": None, "unified": {**serve_app.config["unified"], "replicas": 2}}
+    base = serve_app.deploy_extra("two", cfg)
+    serve_app.wait_healthy_at(base)
+    yield base
+    serve_app.delete_extra("two")
+
+
+def test_router_spreads_requests_over_engine_replicas(serve_app, two_replica_app):
+    """Two engine replicas behind one router: requests land on both (fewest in flight, then taking turns), and
+    each replica answers exactly like the single-replica app."""
+    prompts = [[30 + i, 31 + i, 32 + i] for i in range(6)]
+    want = [serve_app.client().completions.create(model=serve_app.model, prompt=p, max_tokens=6, temperature=0,
+                                                  extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+    before = {r["replica"]: r["counters"]["started"] for r in _stats(two_replica_app)}
+
+    async def main():
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=f"{two_replica_app}/v1", api_key="EMPTY", max_retries=0) as client:
+            async def one(p):
+                r = await client.completions.create(model=serve_app.model, prompt=p, max_tokens=6, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+                return r.choices[0].text
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == want
+    after = {r["replica"]: r["counters"]["started"] for r in _stats(two_replica_app)}
+    per_replica = {k: after[k] - before[k] for k in after}
+    assert sorted(per_replica) == [0, 1] and sum(per_replica.values()) == len(prompts)
+    assert min(per_replica.values()) >= 2, per_replica
+    # one at a time, equal replicas take turns
+    before = after
+    for p in prompts[:2]:
+        httpx.post(f"{two_replica_app}/v1/completions", json={"prompt": p, "max_tokens": 2}, timeout=60)
+    after = {r["replica"]: r["counters"]["started"] for r in _stats(two_replica_app)}
+    assert {k: after[k] - before[k] for k in after} == {0: 1, 1: 1}
+
+
+def _stats(base: str) -> list[dict]:
+    r = httpx.get(f"{base}/admin/stats", timeout=30)
+    r.raise_for_status()
+    return r.json()["engines"]
