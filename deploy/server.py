@@ -89,6 +89,7 @@ class EngineServer:
         self._engine = None  # workers.async_engine.AsyncEngine once loaded
         self._state = "loading"
         self._error: str | None = None
+        self._died = False  # the engine ran, then its step thread failed: Serve should replace this replica
         self._load_started = time.monotonic()
         self._load_seconds: float | None = None
         # Request outcomes as this server saw them (operators' view of cancellations; the leak tests use it).
@@ -120,6 +121,12 @@ class EngineServer:
             logger.exception("engine %s-%d failed to load", self._role, self._index)
             self._state = "failed"
             self._error = f"{type(e).__name__}: {e}"
+
+    def check_health(self) -> None:
+        """Serve's periodic probe. A replica whose engine died after loading is replaced (a fresh load may
+        well work); one whose load failed stays, answering 503 with the reason, instead of crash-looping."""
+        if self._died:
+            raise RuntimeError(f"engine died: {self._error}")
 
     async def ready(self) -> dict:
         """Load state for /health and the CLI's progress display."""
@@ -161,7 +168,7 @@ class EngineServer:
             yield EngineError(status=400, message=str(e), param=param_of(str(e)))
         except EngineDeadError as e:  # the step thread died: this replica serves nothing more until restarted
             refused = True
-            self._state, self._error = "failed", str(e)
+            self._state, self._error, self._died = "failed", str(e), True
             yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
         finally:
             # Closing the engine's iterator aborts the request and frees its pages (client gone, or cancelled
