@@ -74,8 +74,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if config.disaggregate:
         raise ConfigError("disaggregate: prefill/decode disaggregation is not available in this build yet")
     model_dir = str(resolve_model_dir(config))
+    model_name = model_name_for(config, model_dir)
     engines = {
-        role: [EngineServer.options(**engine_options(config, role, i)).bind(config, model_dir, role, i)
+        role: [EngineServer.options(**engine_options(config, role, i)).bind(config, model_dir, role, i, model_name)
                for i in range(group.replicas)]
         for role, group in config.groups().items()
     }
@@ -83,4 +84,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
                             ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(engines, config)
     return Ingress.options(num_replicas=config.ingress_replicas,
                            ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}).bind(
-        router, config, model_dir, model_name_for(config, model_dir))
+        router, config, model_dir, model_name)

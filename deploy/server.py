@@ -81,9 +81,12 @@ class _DeltaTracker:
 class EngineServer:
     """One engine replica of a role (`unified`, later `prefill`/`decode`)."""
 
-    def __init__(self, config: ServeConfig, model_dir: str, role: Role = "unified", index: int = 0) -> None:
+    def __init__(self, config: ServeConfig, model_dir: str, role: Role = "unified", index: int = 0,
+                 model_name: str = "") -> None:
         self._config = config
         self._model_dir = model_dir
+        self._model_name = model_name or Path(model_dir).name
+        self._reporter = None  # deploy.metrics.EngineReporter: feeds Prometheus from the engine's stats
         self._role = role
         self._index = index
         self._engine = None  # workers.async_engine.AsyncEngine once loaded
@@ -114,6 +117,7 @@ class EngineServer:
                               device=self._config.device, role=self._role)
 
             self._engine = AsyncEngine(make_engine)
+            self._start_metrics()
             self._state = "ready"
             self._load_seconds = time.monotonic() - self._load_started
             logger.info("engine %s-%d ready in %.1f s", self._role, self._index, self._load_seconds)
@@ -121,6 +125,15 @@ class EngineServer:
             logger.exception("engine %s-%d failed to load", self._role, self._index)
             self._state = "failed"
             self._error = f"{type(e).__name__}: {e}"
+
+    def _start_metrics(self) -> None:
+        try:
+            from deploy.metrics import EngineMetrics, EngineReporter
+
+            metrics = EngineMetrics(model_name=self._model_name, role=self._role, replica=self._index)
+            self._reporter = EngineReporter(self._engine, metrics).start()
+        except Exception:  # metrics must never keep the engine from serving
+            logger.exception("engine %s-%d: metrics reporter failed to start", self._role, self._index)
 
     def check_health(self) -> None:
         """Serve's periodic probe. A replica whose engine died after loading is replaced (a fresh load may
@@ -193,10 +206,10 @@ class EngineServer:
         return {"stats": await self.stats(), "counters": dict(self._counters)}
 
     async def pop_request_stats(self) -> list[RequestStats]:
-        if self._engine is None:
-            return []
-        pop = getattr(self._engine, "pop_request_stats", None)
-        return pop() if pop is not None else []
+        # The metrics reporter is the engine's one consumer of finished-request stats; read them from it.
+        if self._reporter is not None:
+            return self._reporter.drain_requests()
+        return [] if self._engine is None else self._engine.pop_request_stats()
 
     def _max_model_len(self) -> int:
         """The engine's effective limit (it clamps to the model's positions), else the configured one."""
@@ -210,6 +223,11 @@ class EngineServer:
         return EngineError(status=503, message="engine is loading", code="not_ready", retry_after=5.0)
 
     def __del__(self) -> None:
+        if self._reporter is not None:
+            try:
+                self._reporter.stop(flush=False)
+            except Exception:
+                pass
         engine = self._engine
         if engine is not None and hasattr(engine, "shutdown"):
             try:
