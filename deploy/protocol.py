@@ -43,6 +43,7 @@ ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
+    501: "not_implemented",
     503: "service_unavailable",
 }
 

@@ -150,7 +150,6 @@ def run(args: argparse.Namespace) -> int:
         _say(f"{signal.Signals(signum).name}: shutting down")
         stop.set()
 
-    import ray
     from ray import serve
 
     host, port = config.http.host, config.http.port
