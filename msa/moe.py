@@ -1,9 +1,17 @@
 """M3 MLPs: the dense SwiGLU-OAI MLP and the sigmoid-routed MoE block with a shared expert.
 
-Sharding: the dense MLP and the shared expert split their intermediate dim over tp. Routed experts split by
-expert id over ep (`ctx.expert_range`) and, when ep = 1, by intermediate dim over tp. Each rank computes partial
-sums for its experts / columns; one all-reduce combines them (DESIGN.md §3, first EP version; token
-dispatch/combine with all-to-all replaces it later without changing the weights' layout).
+Sharding (docs/parallelism.md): the dense MLP and the shared expert split their intermediate dim over tp.
+Routed experts:
+  ep = 1: every rank holds every expert, its intermediate dim split over tp; routed and shared partial sums
+          are added and reduced with one tp all-reduce.
+  ep > 1: experts split by id over the ep group (`ctx.expert_range`), whole experts per rank. Each rank routes
+          only its 1/tp slice of the step's tokens (`ctx.moe_token_slice`: the tp ranks hold the same tokens),
+          sends each (token, expert) pair to the rank owning the expert with an all-to-all of uneven splits,
+          runs its local experts on what it received, sends the outputs back with the reverse all-to-all and
+          combines them with the routing weights. The tp all-reduce that sums the shared expert's partials
+          also puts the tp ranks' token slices back together. `ctx.moe_dispatch = "allreduce"` replaces the
+          two all-to-alls by an all-gather of the token slices and an all-reduce of the experts' partial sums
+          (the first version, kept for comparison).
 """
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ from msa.config import M3Config
 from msa.layers import swiglu_oai_packed
 from msa.linear import (ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read,
                         replicated_loader)
-from msa.parallel import ParallelContext, all_reduce
+from msa.parallel import ParallelContext, all_gather_varlen, all_reduce, all_to_all, all_to_all_counts
 
 
 class DenseMLP(nn.Module):
@@ -111,6 +119,11 @@ class Experts(nn.Module):
         if e in self.experts:
             param.data[e - e0].copy_(read(src, (slice(None), self._rows())))
 
+    def expert_ffn(self, local: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert `local` on rows x [n, H] -> [n, H] (unweighted)."""
+        act = swiglu_oai_packed(F.linear(x, self.gate_up_proj[local]), self.alpha, self.limit)
+        return F.linear(act, self.down_proj[local])
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k] -> partial sum over this rank's experts [T, H] (not reduced).
 
@@ -130,14 +143,28 @@ class Experts(nn.Module):
             pairs = order[begin:begin + n]
             begin += n
             tokens = pairs // k
-            act = swiglu_oai_packed(F.linear(x[tokens], self.gate_up_proj[local]), self.alpha, self.limit)
-            y = F.linear(act, self.down_proj[local]) * flat_w[pairs, None].to(x.dtype)
+            y = self.expert_ffn(local, x[tokens]) * flat_w[pairs, None].to(x.dtype)
             out.index_add_(0, tokens, y)
+        return out
+
+    def forward_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [n, H] already grouped by local expert (counts[e] rows for local expert e, in order)
+        -> unweighted outputs [n, H] in the same order."""
+        out = torch.empty_like(rows)
+        begin = 0
+        for local, n in enumerate(counts):
+            if n:
+                out[begin:begin + n] = self.expert_ffn(local, rows[begin:begin + n])
+            begin += n
         return out
 
 
 class SparseMoE(nn.Module):
-    """y = sum_e w_e Expert_e(h) + Shared(h); the shared expert is not scaled."""
+    """y = sum_e w_e Expert_e(h) + Shared(h); the shared expert is not scaled.
+
+    With the all-to-all dispatch, `sent_pairs[r]` / `received_pairs[r]` accumulate the (token, expert) pairs
+    this rank sent to / received from ep rank r (host ints the all-to-all needs anyway; tests read them to
+    check how uneven a split was)."""
 
     def __init__(self, config: M3Config, ctx: ParallelContext, *, dtype, device):
         super().__init__()
@@ -146,16 +173,69 @@ class SparseMoE(nn.Module):
         self.experts = Experts(config, ctx, dtype=dtype, device=device)
         self.shared_experts = (DenseMLP(config, config.shared_intermediate_size, ctx, dtype=dtype, device=device,
                                         reduce=False) if config.n_shared_experts else None)
+        self.sent_pairs = [0] * ctx.ep_size
+        self.received_pairs = [0] * ctx.ep_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        routed = self.experts(x, ids, weights)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.ctx.ep_size == 1:
+            ids, weights = self.gate(x)
+            routed = self.experts(x, ids, weights)
             # routed and shared partials are both split over tp: one all-reduce sums them together
             return all_reduce(routed if shared is None else routed + shared, self.ctx)
-        routed = all_reduce(routed, self.ctx, axis="ep")
-        return routed if shared is None else routed + all_reduce(shared, self.ctx)
+        first, count = self.ctx.moe_token_slice(x.shape[0])
+        mine = x[first:first + count]
+        if self.ctx.moe_dispatch == "alltoall":
+            routed = self._alltoall(mine)
+        else:
+            routed = self._gather_allreduce(mine)
+        if self.ctx.tp_size == 1:
+            return routed if shared is None else routed + shared
+        # one tp all-reduce sums the shared partials and reassembles the tp ranks' token slices
+        full = shared if shared is not None else torch.zeros_like(x)
+        full[first:first + count] += routed
+        return all_reduce(full, self.ctx)
+
+    def _alltoall(self, x: torch.Tensor) -> torch.Tensor:
+        """x [t, H] (this rank's tokens) -> routed output [t, H], experts run where they live."""
+        ep, per = self.ctx.ep_size, len(self.experts.experts)
+        ids, weights = self.gate(x)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        # pairs sorted by expert id are grouped by owner rank (contiguous expert ranges), then by local expert
+        order = torch.argsort(flat, stable=True)
+        send_counts = torch.bincount(flat, minlength=self.experts.num_experts).view(ep, per)
+        recv_counts = all_to_all_counts(send_counts, self.ctx, "ep")  # [source rank, local expert]
+        per_source = recv_counts.tolist()  # the one host sync of the dispatch (split sizes must be on the host)
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = [sum(c) for c in per_source]
+        token_of_pair = order // k
+        received = all_to_all(x[token_of_pair], send_splits, recv_splits, self.ctx, "ep")
+        # regroup what arrived (source-major) by local expert, run each expert once, restore the arrival order
+        expert_of_row = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(ep),
+                                                recv_counts.reshape(-1))
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        outputs = torch.empty_like(received)
+        outputs[by_expert] = self.experts.forward_grouped(received[by_expert],
+                                                          [sum(c[e] for c in per_source) for e in range(per)])
+        returned = all_to_all(outputs, recv_splits, send_splits, self.ctx, "ep")  # back in `order` order
+        out = torch.zeros_like(x)
+        out.index_add_(0, token_of_pair, returned * weights.reshape(-1)[order, None].to(x.dtype))
+        self._log(send_splits, recv_splits)
+        return out
+
+    def _gather_allreduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x [t, H] -> routed output [t, H]: every rank runs its experts on the whole ep group's tokens."""
+        everyone, counts = all_gather_varlen(x, self.ctx, "ep")
+        ids, weights = self.gate(everyone)
+        partial = all_reduce(self.experts(everyone, ids, weights), self.ctx, "ep")
+        first = sum(counts[:self.ctx.ep_rank])
+        return partial[first:first + x.shape[0]]
+
+    def _log(self, sent: list[int], received: list[int]) -> None:
+        for r in range(self.ctx.ep_size):
+            self.sent_pairs[r] += sent[r]
+            self.received_pairs[r] += received[r]
 
 
 __all__ = ["DenseMLP", "Router", "Experts", "SparseMoE"]
