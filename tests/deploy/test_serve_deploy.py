@@ -153,3 +153,27 @@ def test_cli_serve_answers_then_stops_cleanly_on_sigterm(serve_helpers):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
     finally:
         _stop_group(proc)
+
+
+def test_cli_flags_override_the_config_file_and_bad_args_are_named():
+    import argparse
+
+    from deploy.app import build_app, config_from_args
+    from deploy.config import ConfigError
+    from deploy.serve_cmd import add_arguments, overrides_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--config", "configs/serve/cpu-local.yaml", "--port", "9001", "--max-model-len", "300",
+                              "--replicas", "2", "--api-key", "k"])
+    cfg = config_from_args({"config_file": args.config, "overrides": overrides_from_args(args)})
+    assert cfg.http.port == 9001 and cfg.http.host == "127.0.0.1"  # flag wins; the file's host stays
+    assert cfg.engine.max_model_len == 300 and cfg.engine.max_num_seqs == 32  # flag; file
+    assert cfg.unified.replicas == 2 and cfg.api_key == "k"
+    assert overrides_from_args(parser.parse_args([])) == {}  # flags not given override nothing
+    with pytest.raises(ConfigError, match="confg"):
+        config_from_args({"confg": {}})
+    with pytest.raises(ConfigError, match="max_num_seq"):
+        config_from_args({"config": {"engine": {"max_num_seq": 3}}})
+    with pytest.raises(ConfigError, match="disaggregate"):
+        build_app({"config_file": "configs/serve/gpu-2-pd.yaml"})
