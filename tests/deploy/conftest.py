@@ -66,6 +66,7 @@ class ServeApp:
     config: dict[str, Any]
     port: int
     extra_apps: list[str] = field(default_factory=list)
+    metrics_port: int | None = None  # Ray's metrics export port (every replica's metrics; Prometheus scrapes it)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -154,9 +155,13 @@ def serve_app() -> ServeApp:
 
     cfg = config_from_args({"config": TEST_CONFIG})
     model_dir = resolve_model_dir(cfg)  # writes the tiny model once, before the replicas race for it
+    # Workers report metrics to the node's agent every 10 s by default; the Prometheus test would wait that long.
+    os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
+    metrics_port = free_port()
     # address="local": never join a cluster someone started with `ray start` on this machine.
     ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False,
-             log_to_driver=bool(os.environ.get("M3SERVE_TEST_RAY_LOGS")), configure_logging=False)
+             log_to_driver=bool(os.environ.get("M3SERVE_TEST_RAY_LOGS")), configure_logging=False,
+             _metrics_export_port=metrics_port)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
@@ -165,7 +170,7 @@ def serve_app() -> ServeApp:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)
         yield ServeApp(base_url=base, api_key=API_KEY, model=model_name_for(cfg, model_dir), model_dir=model_dir,
-                       config=TEST_CONFIG, port=port)
+                       config=TEST_CONFIG, port=port, metrics_port=metrics_port)
     finally:
         try:
             serve.shutdown()

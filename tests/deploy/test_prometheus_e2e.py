@@ -1,0 +1,191 @@
+"""End to end: the served tiny model -> `m3serve bench` -> Ray's metrics export -> a real Prometheus.
+
+Debian's Prometheus scrapes the Ray node's metrics export port of the shared test app (every replica's metrics
+leave through it, as on a cluster). A short `m3serve bench` runs against the app; through Prometheus's HTTP API the
+request, token and histogram counts must then have grown by exactly what the bench's JSON result says it sent,
+under `role="unified"`; the histogram buckets must hold exactly the engines' own timings (drained through the
+router), which can be no slower than the client's; and every dashboard query must return data.
+
+Other tests share the app, so everything is compared as per-series deltas from a settled baseline taken after a
+warm-up request, never as absolute counts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from collections import defaultdict
+
+import pytest
+
+from deploy.metrics import METRICS, request_observations, spec
+from tests.deploy.promhelp import Prometheus, dashboard_queries, has_finite_value
+
+pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
+                                reason="Debian's prometheus package is not installed (make test installs it)")
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 12, 16, 8, 4
+WARMUP_PROMPT, WARMUP_TOKENS = [11, 12, 13, 14, 15], 3
+
+COUNTERS = ("request_success", "request_failure", "prompt_tokens", "generation_tokens")
+REQUEST_HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds",
+                      "request_time_per_output_token_seconds", "request_queue_time_seconds",
+                      "request_prefill_time_seconds", "request_decode_time_seconds")
+# Families compared before/after; `_sum` is left out on purpose (Ray re-records observations at bucket midpoints).
+FAMILIES = tuple(spec(n).exported_name for n in COUNTERS) + tuple(
+    spec(n).exported_name + suffix for n in REQUEST_HISTOGRAMS for suffix in ("_count", "_bucket"))
+# A series is identified by all its labels (Ray adds WorkerId, NodeAddress, ...; other apps of the session have
+# the same model/role/replica labels); a delta is aggregated by these.
+KEY_LABELS = ("__name__", "role", "le", "finished_reason", "reason")
+
+# Queries over KV transfer latency have nothing to show without transfers (unified mode); every other dashboard
+# query must return data.
+TRANSFER_ONLY = "ray_m3serve_kv_transfer_seconds_bucket"
+
+Series = frozenset  # of (label, value) items
+
+
+def _snapshot(prom: Prometheus, model: str) -> dict[Series, float]:
+    names = "|".join(FAMILIES)
+    res = prom.query(f'{{__name__=~"{names}",model_name="{model}"}}')
+    return {frozenset(r["metric"].items()): float(r["value"][1]) for r in res}
+
+
+def _deltas(before: dict[Series, float], after: dict[Series, float]) -> dict[tuple, float]:
+    """after - before per series (a new series counts from 0), summed by KEY_LABELS; zero deltas dropped."""
+    out: dict[tuple, float] = defaultdict(float)
+    for series, value in after.items():
+        d = value - before.get(series, 0.0)
+        if d:
+            labels = dict(series)
+            if "le" in labels:  # exporters spell bounds differently ("1" / "1.0", "+Inf")
+                labels["le"] = float(labels["le"])
+            out[tuple(labels.get(k) for k in KEY_LABELS)] += d
+    return dict(out)
+
+
+def _roles_moved(before: dict[Series, float], after: dict[Series, float]) -> set[str | None]:
+    return {dict(s).get("role") for s, v in after.items() if v != before.get(s, 0.0)}
+
+
+def _wait_settled(prom: Prometheus, model: str, after_time: float, timeout_s: float = 20.0) -> dict[Series, float]:
+    """A snapshot from scrapes made after `after_time` (plus one report interval) that no longer changes."""
+    deadline = time.monotonic() + timeout_s
+    prev = None
+    while time.monotonic() < deadline:
+        last = prom.scalar("max(timestamp(up))") or 0.0  # time of the latest scrape
+        if last > after_time + 1.0:  # Ray's workers report every 0.5 s in tests
+            snap = _snapshot(prom, model)
+            if prev is not None and snap == prev[1] and last > prev[0]:
+                return snap
+            prev = (last, snap)
+        time.sleep(0.6)
+    raise TimeoutError("Prometheus's m3serve series did not settle")
+
+
+def _drain_until(serve_app, want: int | None = None, want_id: str | None = None, timeout_s: float = 20.0) -> list:
+    """Finished-request stats drained through the router until `want` arrived (or `want_id` is among them).
+    The reporter recorded each one into the metrics before keeping it for this drain."""
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got += serve_app.pop_request_stats()
+        if (want is not None and len(got) >= want) or (want_id is not None and
+                                                        any(s.request_id == want_id for s in got)):
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(f"drained {len(got)} request stats, wanted {want or want_id}")
+
+
+def _run_bench(serve_app, tmp_path) -> dict:
+    from deploy import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "bench.json"
+    args = parser.parse_args([
+        "--base-url", serve_app.base_url, "--api-key", serve_app.api_key, "--model", serve_app.model,
+        "--num-prompts", str(NUM_PROMPTS), "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN),
+        "--max-concurrency", str(CONCURRENCY), "--ignore-eos", "--seed", "9", "--save-detailed",
+        "--disable-tqdm", "--result-file", str(out)])
+    assert bench.run(args) == 0
+    return json.loads(out.read_text())
+
+
+def _expected_buckets(name: str, stats: list) -> dict[str, int]:
+    """Cumulative bucket counts (le as Prometheus writes it) of histogram `name` for the engines' own stats."""
+    values = [v for s in stats for v in request_observations(s).get(name, [])]
+    out = {math.inf: len(values)}
+    for b in spec(name).buckets:
+        out[b] = sum(1 for v in values if v <= b)
+    return out
+
+
+def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_path):
+    assert serve_app.metrics_port, "the session Ray instance exports no metrics port"
+    t_start = time.time()
+    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
+        # A warm-up request makes every per-request series exist before the baseline (a series first seen
+        # after the bench would hide its first increments from rate()); once the router hands back its stats,
+        # it and everything before it were recorded into the metrics.
+        warm = serve_app.client().completions.create(model=serve_app.model, prompt=WARMUP_PROMPT,
+                                                     max_tokens=WARMUP_TOKENS, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+        serve_app.wait_idle()
+        _drain_until(serve_app, want_id=f"{warm.id}-0")
+        before = _wait_settled(prom, serve_app.model, time.time())
+        assert prom.target_health() == ["up"]
+
+        result = _run_bench(serve_app, tmp_path)
+        assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result["errors"]
+        assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+        assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+        serve_app.wait_idle()
+        engine_stats = _drain_until(serve_app, want=NUM_PROMPTS)
+        assert len(engine_stats) == NUM_PROMPTS, [s.request_id for s in engine_stats]
+        assert {(s.prompt_tokens, s.generation_tokens, s.finished_reason) for s in engine_stats} == {
+            (INPUT_LEN, OUTPUT_LEN, "length")}
+        after = _wait_settled(prom, serve_app.model, time.time())
+        got = _deltas(before, after)
+
+        # What the bench client sent, counted by the server exactly once each.
+        n, n_in, n_out = result["completed"], result["total_input_tokens"], result["total_output_tokens"]
+        want = {("ray_m3serve_request_success_total", "unified", None, "length", None): n,
+                ("ray_m3serve_prompt_tokens_total", "unified", None, None, None): n_in,
+                ("ray_m3serve_generation_tokens_total", "unified", None, None, None): n_out}
+        per_request = {name: n for name in REQUEST_HISTOGRAMS}
+        per_request["inter_token_latency_seconds"] = n_out - n  # one gap per token after the first
+        for name, count in per_request.items():
+            want[(spec(name).exported_name + "_count", "unified", None, None, None)] = count
+        # Buckets: exactly the engines' own timings, bucket by bucket.
+        for name in REQUEST_HISTOGRAMS:
+            for le, count in _expected_buckets(name, engine_stats).items():
+                if count:
+                    want[(spec(name).exported_name + "_bucket", "unified", le, None, None)] = count
+        assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+        assert _roles_moved(before, after) == {"unified"}
+        moved = [dict(s) for s, v in after.items() if v != before.get(s, 0.0)]
+        assert all(s["model_name"] == serve_app.model and s["replica"].isdigit() for s in moved)
+
+        # The server's timings lack the client's HTTP and Serve hops: each is no later than the client's, so
+        # the k-th smallest server value is at most the k-th smallest client value.
+        detail = [r for r in result["requests"] if r["success"]]
+        for server, client in ((sorted(s.ttft for s in engine_stats), sorted(r["ttft_s"] for r in detail)),
+                               (sorted(s.e2e_latency for s in engine_stats), sorted(r["e2e_s"] for r in detail))):
+            assert all(a <= b for a, b in zip(server, client)), (server, client)
+
+        # Every dashboard query answers over a window that spans the bench.
+        window = f"{int(time.time() - t_start) + 5}s"
+        empty = []
+        for title, ref, expr in dashboard_queries(rate_interval=window):
+            res = prom.query(expr)  # raises on a query error
+            if not has_finite_value(res):
+                empty.append((title, ref))
+        transfer_only = {(t, r) for t, r, e in dashboard_queries() if TRANSFER_ONLY in e}
+        assert set(empty) == transfer_only, empty
+        # and the recording rules evaluate on these series
+        p50 = prom.wait_until(f'm3serve:ttft_seconds:p50{{model_name="{serve_app.model}",role="unified"}}',
+                              lambda v: v is not None and math.isfinite(v), timeout_s=15)
+        assert 0 < p50 <= max(r["ttft_s"] for r in detail) * 2
