@@ -5,18 +5,29 @@ request fails before anything is queued), hands it to the step thread through an
 that the step thread pushes into a per-request `asyncio.Queue` with `call_soon_threadsafe`. Only the step thread
 touches the Engine; adds and aborts are applied between steps. Leaving the async iterator early (the client went
 away) queues an abort, which frees the request's pages before the next step.
+
+Disaggregation: a prefill engine's `generate(..., handoff_to=group)` streams the first token, then
+`transfer_outcome(request_id)` tells whether its KV reached the decode group. A decode engine's
+`admit_remote` reserves pages (run on the step thread), and `generate_remote` streams the rest once the KV
+landed, or raises `KVTransferFailed`. While transfers are pending the step thread wakes on every settled
+transfer (a listener on the transfer agents) and at least every `TRANSFER_POLL_S`, for leases and timeouts.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from workers.engine import Engine
+from workers.engine import Engine, KVTransferFailed
 from workers.request import RequestOutput, SamplingParams
-from workers.stats import EngineStats, RequestStats, StepStats
+from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+
+TRANSFER_POLL_S = 0.02
+_KEEP_FAILURES = 1024
 
 
 class QueueFullError(RuntimeError):
@@ -53,16 +64,27 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         self._request_stats: deque[RequestStats] = deque()
         self._step_stats: deque[StepStats] = deque(maxlen=4096)
+        self._transfer_stats: deque[TransferStats] = deque(maxlen=4096)
+        self._outcomes: dict[str, concurrent.futures.Future] = {}  # prefill: request id -> (ok, reason)
+        self._failed: OrderedDict[str, str] = OrderedDict()  # decode failures nobody was streaming yet
+        self.engine.add_transfer_listener(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
     # ---- the asyncio side -------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, *, handoff_to: str | None = None,
+                       transfer_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request as tokens appear; the last has `.finished` set.
 
-        Raises ValueError (bad request) or QueueFullError before the first output."""
-        stream = self._submit(request_id, list(prompt_token_ids), params, prompt)
+        Raises ValueError (bad request) or QueueFullError before the first output. `handoff_to` (prefill
+        role): after the first token the KV goes to that decode group; see `transfer_outcome`."""
+        handoff = (handoff_to, transfer_id) if handoff_to is not None else None
+        stream = self._submit(request_id, list(prompt_token_ids), params, prompt, handoff)
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def _drain(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -79,9 +101,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def _submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                prompt: str | None) -> _Stream:
-        if self._error is not None:
-            raise EngineDeadError(f"engine: the step thread failed: {self._error!r}") from self._error
+                prompt: str | None, handoff: tuple[str, str | None] | None = None) -> _Stream:
+        self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -91,9 +112,73 @@ class AsyncEngine:
                 raise QueueFullError(f"max_waiting: {self.max_waiting} requests are already waiting")
             self._streams[request_id] = stream
             self._pending_adds += 1
-            self._inbox.append(("add", request_id, prompt_token_ids, params, prompt))
+            if handoff is not None:
+                self._outcomes[request_id] = concurrent.futures.Future()
+            self._inbox.append(("add", request_id, prompt_token_ids, params, prompt, handoff))
         self._wake.set()
         return stream
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine: the step thread failed: {self._error!r}") from self._error
+
+    # ---- disaggregation -----------------------------------------------------------------------------------
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """Run `fn(engine)` on the step thread, between steps; returns its result (or raises its error)."""
+        self._check_alive()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._inbox.append(("call", fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    async def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                           group: str, transfer_id: str | None = None,
+                           prompt: str | None = None) -> list[int] | None:
+        """Decode role: reserve pages for a prompt that prefill group `group` computes (None: no room now)."""
+        self.engine.validate_request(list(prompt_token_ids), params)
+        return await self.call(lambda e: e.admit_remote(request_id, prompt_token_ids, params, group=group,
+                                                        transfer_id=transfer_id, prompt=prompt))
+
+    async def generate_remote(self, request_id: str, first_token: int,
+                              first_logprobs: dict[int, float] | None = None) -> AsyncIterator[RequestOutput]:
+        """Decode role: stream an admitted request from its first token on (the first output already holds
+        it). Raises KVTransferFailed if its KV never lands."""
+        self._check_alive()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            failed = self._failed.pop(request_id, None)
+            if failed is None:
+                self._streams[request_id] = stream
+                self._inbox.append(("continue", request_id, first_token, first_logprobs))
+        if failed is not None:
+            raise KVTransferFailed(failed)
+        self._wake.set()
+        async for out in self._drain(request_id, stream):
+            yield out
+
+    async def transfer_outcome(self, request_id: str, timeout_s: float | None = None) -> tuple[bool, str | None]:
+        """Prefill role: (ok, reason) once the KV of a handed-off request settled. (False, why) if the
+        request never handed off (aborted first) or `timeout_s` passed."""
+        with self._lock:
+            fut = self._outcomes.get(request_id)
+        if fut is None:
+            return False, "no transfer for this request"
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+        except asyncio.TimeoutError:
+            return False, f"timeout: no outcome within {timeout_s} s"
+        finally:
+            with self._lock:
+                self._outcomes.pop(request_id, None)
+
+    def pop_transfer_stats(self) -> list[TransferStats]:
+        with self._lock:
+            out = list(self._transfer_stats)
+            self._transfer_stats.clear()
+        return out
 
     def abort(self, request_id: str) -> None:
         """Abort a request in any state (no-op if unknown); its stream gets nothing more."""
@@ -137,8 +222,9 @@ class AsyncEngine:
             while True:
                 with self._lock:
                     idle = not self._inbox and not self._stopping
-                if idle and not self.engine.has_unfinished():
-                    self._wake.wait()
+                if idle and not self.engine.scheduler.has_unfinished():
+                    # transfers settle on other threads (their listener sets _wake); leases need a clock
+                    self._wake.wait(TRANSFER_POLL_S if self.engine.has_pending_transfers() else None)
                 self._wake.clear()
                 if self._apply_inbox():
                     return
@@ -159,18 +245,42 @@ class AsyncEngine:
             stopping = self._stopping
         for op in ops:
             if op[0] == "add":
-                _, rid, ids, params, prompt = op
+                _, rid, ids, params, prompt, handoff = op
                 with self._lock:
                     self._pending_adds -= 1
                     stream = self._streams.get(rid)
                 if stream is None:
+                    self._settle_outcome(rid, False, "aborted before it started")
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(rid, ids, params, prompt=prompt)
+                    if handoff is None:
+                        self.engine.add_request(rid, ids, params, prompt=prompt)
+                    else:
+                        self.engine.add_request(rid, ids, params, prompt=prompt, handoff_to=handoff[0],
+                                                transfer_id=handoff[1])
+                        if rid not in self.engine._handoffs:  # nothing to hand off (max_tokens 1)
+                            self._settle_outcome(rid, False, "no handoff: the request ends at prefill")
                 except ValueError as e:  # validated already; a race on the id is all that is left
                     with self._lock:
                         self._streams.pop(rid, None)
+                    self._settle_outcome(rid, False, str(e))
                     stream.put(e)
+            elif op[0] == "call":
+                _, fn, fut = op
+                try:
+                    fut.set_result(fn(self.engine))
+                except Exception as e:  # handed back to the caller
+                    fut.set_exception(e)
+            elif op[0] == "continue":
+                _, rid, token, logprobs = op
+                try:
+                    self.engine.continue_remote(rid, token, logprobs)
+                except KeyError as e:
+                    with self._lock:
+                        stream = self._streams.pop(rid, None)
+                        why = self._failed.pop(rid, None)
+                    if stream is not None:
+                        stream.put(KVTransferFailed(why or str(e.args[0])))
             else:
                 self.engine.abort_request(op[1])
         if stopping:
@@ -182,14 +292,34 @@ class AsyncEngine:
         self._publish([])
         return stopping
 
+    def _settle_outcome(self, request_id: str, ok: bool, reason: str | None) -> None:
+        with self._lock:
+            fut = self._outcomes.get(request_id)
+        if fut is not None and not fut.done():
+            fut.set_result((ok, reason))
+
     def _publish(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.stats()
         req_stats = self.engine.pop_request_stats()
         step_stats = self.engine.pop_step_stats()
+        transfer_stats = self.engine.pop_transfer_stats()
+        for rid, ok, reason in self.engine.pop_transfer_outcomes():
+            self._settle_outcome(rid, ok, reason)
+        failures = self.engine.pop_failures()
         with self._lock:
             self._stats = stats
             self._request_stats.extend(req_stats)
             self._step_stats.extend(step_stats)
+            self._transfer_stats.extend(transfer_stats)
+            failed_streams = []
+            for rid, why in failures:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    failed_streams.append((stream, why))
+                else:  # its decode stream has not started yet: it learns the reason when it does
+                    self._failed[rid] = why
+                    while len(self._failed) > _KEEP_FAILURES:
+                        self._failed.popitem(last=False)
             targets = [(self._streams.get(o.request_id), o) for o in outputs]
             for o in outputs:
                 if o.finished:
@@ -197,3 +327,5 @@ class AsyncEngine:
         for stream, out in targets:
             if stream is not None:
                 stream.put(out)
+        for stream, why in failed_streams:
+            stream.put(KVTransferFailed(why))

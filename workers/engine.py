@@ -7,6 +7,13 @@ A step is schedule -> execute -> update:
   update:   tokens are appended, stops checked (stop strings here, on detokenized text), outputs built.
 Everything outside the forward is host overhead; each step's is measured and kept in `StepStats`.
 
+Roles (docs/disaggregation.md): "unified" runs requests start to end. "prefill" runs a request's prompt and
+samples its first token; a request added with `handoff_to=<decode group>` then keeps its pages, sends them to
+that decode group (`TransferAgent`, one per shard) and frees them once the transfer settled (or its lease
+expired). "decode" reserves a request's pages first (`admit_remote`), receives the prompt's KV into them, and
+once the first token is known too (`continue_remote`) decodes from there. `poll_transfers` (called by `step`)
+moves those requests on; it never blocks.
+
 Not thread-safe: one thread drives an Engine (the `AsyncEngine` step thread, or the `LLM` caller).
 """
 from __future__ import annotations
@@ -28,6 +35,8 @@ from workers.runner import StepResult
 from workers.scheduler import Request, Scheduler, Sequence as Seq
 from workers.stats import EngineStats, RequestStats, StepStats
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, stop_holdback
+from workers.stats import TransferStats
+from workers.transfer import TransferAgent, TransferConfig, TransferResult, TransferState
 
 ExecutorKind = Literal["auto", "local", "ray"]
 
@@ -55,6 +64,10 @@ class LocalExecutor:
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.runner.execute(batch)
+
+    def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list[TransferAgent]:
+        """The disaggregation end of each shard (one here), in shard (tp rank) order."""
+        return [TransferAgent(self.runner.kv, role=role, num_kv_heads=num_kv_heads, config=config)]
 
     def shutdown(self) -> None:
         self.runner = None
@@ -93,10 +106,38 @@ class _Tracked:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.req.prompt_token_ids)
 
 
+class KVTransferFailed(RuntimeError):
+    """A disaggregated request lost its KV on the way (transfer error, dead peer, lease expired)."""
+
+
+@dataclass(eq=False, kw_only=True)
+class _Handoff:
+    """Prefill engine: a request whose pages go to a decode group once its first token exists."""
+
+    seq_id: int
+    transfer_id: str
+    group: str
+    created: float
+    sent: bool = False
+    aborted: bool = False
+
+
+@dataclass(eq=False, kw_only=True)
+class _Remote:
+    """Decode engine: a request whose pages are reserved and whose prompt KV comes from a prefill engine."""
+
+    transfer_id: str
+    created: float
+    first: tuple[int, dict[int, float] | None] | None = None  # the first token and its logprobs, from prefill
+    landed: bool = False
+    aborted: bool = False  # by the client, or failed: the pages go once the transfer settled
+    failure: str | None = None
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: Role = "unified",
-                 executor: ExecutorKind = "auto") -> None:
+                 executor: ExecutorKind = "auto", transfer: TransferConfig | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.role = role
         self.model_config = load_config(model_dir)
@@ -121,6 +162,20 @@ class Engine:
         self._finished_stats: list[RequestStats] = []
         self._step_stats: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
+        # disaggregation
+        self.transfer_config = transfer or TransferConfig()
+        self.agents: list[TransferAgent] = []
+        if role in ("prefill", "decode"):
+            make_agents = getattr(self.executor, "transfer_agents", None)
+            if make_agents is None:
+                raise NotImplementedError(f"role: {role!r} needs shards with KV transfer agents "
+                                          f"({type(self.executor).__name__} has none yet)")
+            self.agents = make_agents(role, self.model_config.num_key_value_heads, self.transfer_config)
+        self._handoffs: dict[str, _Handoff] = {}
+        self._remote: dict[str, _Remote] = {}
+        self._failures: list[tuple[str, str]] = []  # (request id, reason): decode requests that lost their KV
+        self._outcomes: list[tuple[str, bool, str | None]] = []  # prefill: (request id, transfer ok, reason)
+        self._transfer_stats: list[TransferStats] = []
 
     # ---- requests ---------------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -128,8 +183,21 @@ class Engine:
         self.scheduler.validate([int(t) for t in prompt_token_ids], params)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        req = self.scheduler.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+                    prompt: str | None = None, arrival_time: float | None = None, handoff_to: str | None = None,
+                    transfer_id: str | None = None) -> None:
+        """`handoff_to` (prefill role): the decode group that receives the request's KV after its first token
+        (under `transfer_id`, default the request id; the decode engine must have admitted it already)."""
+        if handoff_to is not None and self.role != "prefill":
+            raise ValueError(f"handoff_to: only a prefill engine hands requests off (this one is {self.role})")
+        req = self.scheduler.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                                         handoff=handoff_to is not None)
+        if req.handoff:
+            self._handoffs[request_id] = _Handoff(seq_id=req.seqs[0].seq_id, transfer_id=transfer_id or request_id,
+                                                  group=handoff_to, created=time.monotonic())
+        self._track(req, prompt)
+
+    def _track(self, req: Request, prompt: str | None) -> None:
+        request_id, params = req.request_id, req.params
         n = params.n
         self._tracked[request_id] = _Tracked(
             req=req, prompt=prompt,
@@ -147,7 +215,18 @@ class Engine:
             self._prompt_logprob_pending[request_id] = self._tracked[request_id]
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request in any state and free its pages. False if it is unknown or already finished."""
+        """Stop a request in any state and free its pages. False if it is unknown or already finished.
+        Pages a KV transfer still reads or writes are freed once it settled (see `poll_transfers`)."""
+        if request_id in self._remote:
+            return self._abort_remote(request_id)
+        handoff = self._handoffs.get(request_id)
+        if handoff is not None and handoff.sent:
+            handoff.aborted = True
+            for agent in self.agents:
+                agent.abort(handoff.transfer_id)
+            return True
+        if self._handoffs.pop(request_id, None) is not None:
+            self._outcomes.append((request_id, False, "aborted"))
         req = self.scheduler.abort(request_id)
         tracked = self._tracked.pop(request_id, None)
         self._prompt_logprob_pending.pop(request_id, None)
@@ -160,24 +239,29 @@ class Engine:
 
     def abort_all(self) -> int:
         """Abort every request in flight (shutdown). Returns how many."""
-        ids = list(self._tracked)
+        ids = list(dict.fromkeys([*self._tracked, *self._remote, *self._handoffs]))
         for rid in ids:
             self.abort_request(rid)
         return len(ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.has_pending_transfers()
+
+    def has_pending_transfers(self) -> bool:
+        """Requests waiting on a KV transfer (or its lease) rather than on a step."""
+        return bool(self._handoffs or self._remote)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; return the cumulative output of every request that progressed (finished ones last
         seen here with `.finished` set)."""
         t0 = time.perf_counter()
+        polled = self.poll_transfers() if self.has_pending_transfers() else []
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             if self.scheduler.has_unfinished() and not sched_out.preempted:
                 raise RuntimeError("scheduler: requests are queued but none could be scheduled")
-            return []
+            return polled
         progress = {t.req.seqs[0].seq_id: len(t.prompt_logprobs) for t in self._prompt_logprob_pending.values()}
         batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
                                  released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress)
@@ -200,17 +284,210 @@ class Engine:
         outputs = [self._output(t) for t in touched.values()]
         for t in touched.values():
             if t.req.finished:
-                self._released_seq_ids.extend(s.seq_id for s in t.req.seqs)
-                del self._tracked[t.req.request_id]
-                self._prompt_logprob_pending.pop(t.req.request_id, None)
-                self._close_stats(t, None)
+                self._retire(t)
         self.num_steps += 1
         step_time = time.perf_counter() - t0
         self._step_stats.append(StepStats(
             step_time=step_time, host_overhead=step_time - result.forward_time,
             num_prefill_tokens=sched_out.num_prefill_tokens, num_decode_tokens=sched_out.num_decode_tokens,
             batch_size=len(sched_out.chunks), num_preemptions=len(sched_out.preempted)))
+        return polled + outputs
+
+    def _retire(self, t: _Tracked) -> None:
+        """A request finished on this engine: drop its state; a prefill hands its pages to the transfer."""
+        req = t.req
+        self._released_seq_ids.extend(s.seq_id for s in req.seqs)
+        del self._tracked[req.request_id]
+        self._prompt_logprob_pending.pop(req.request_id, None)
+        self._close_stats(t, None)
+        handoff = self._handoffs.get(req.request_id)
+        if handoff is None:
+            return
+        seq = req.seqs[0]
+        if seq.finish_reason != "handoff":  # the first token ended it (stop string): nothing to send
+            del self._handoffs[req.request_id]
+            self.pages.free(seq.seq_id)
+            return
+        page_ids = self.pages.page_table(seq.seq_id)[:self.pages.pages_for(seq.num_prompt_tokens)]
+        try:
+            for agent in self.agents:
+                agent.send(handoff.transfer_id, page_ids, handoff.group)
+        except ValueError as e:  # no pairs to that group (any more)
+            del self._handoffs[req.request_id]
+            self.pages.free(seq.seq_id)
+            self._outcomes.append((req.request_id, False, f"not sent: {e}"))
+            return
+        handoff.sent = True
+        handoff.created = time.monotonic()  # the lease runs from the send
+
+    # ---- disaggregation ---------------------------------------------------------------------------------
+    def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                     group: str, transfer_id: str | None = None, prompt: str | None = None,
+                     arrival_time: float | None = None) -> list[int] | None:
+        """Decode role: reserve the pages of a prompt computed by prefill group `group` and expect its KV
+        (under `transfer_id`, default the request id). Returns the page ids, or None when the pool has no room
+        now; ValueError (naming the field) for a request that can never be served here."""
+        if self.role != "decode":
+            raise ValueError(f"role: only a decode engine admits remote prefills (this one is {self.role})")
+        req = self.scheduler.add_remote(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        if req is None:
+            return None
+        seq = req.seqs[0]
+        page_ids = list(self.pages.page_table(seq.seq_id))
+        tid = transfer_id or request_id
+        try:
+            for agent in self.agents:
+                agent.prepare(tid, page_ids, group)
+        except ValueError:
+            for agent in self.agents:  # a shard that did prepare: let it go again
+                with _suppress():
+                    agent.abort(tid)
+                    agent.release(tid)
+            self.scheduler.abort(request_id)
+            raise
+        self._remote[request_id] = _Remote(transfer_id=tid, created=time.monotonic())
+        self._track(req, prompt)
+        return page_ids
+
+    def continue_remote(self, request_id: str, first_token: int,
+                        first_logprobs: dict[int, float] | None = None) -> None:
+        """Decode role: the first token (sampled by the prefill engine) of an admitted request; it decodes on
+        once its KV has landed."""
+        remote = self._remote.get(request_id)
+        if remote is None or remote.aborted:
+            raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
+        remote.first = (int(first_token), first_logprobs)
+
+    def _abort_remote(self, request_id: str) -> bool:
+        remote = self._remote[request_id]
+        remote.aborted = True
+        settled = all(agent.abort(remote.transfer_id) for agent in self.agents)
+        if settled:
+            self._drop_remote(request_id)
+        return True
+
+    def _fail_remote(self, request_id: str, why: str) -> None:
+        """The request's KV cannot come: report it now, free its pages once every shard's part settled."""
+        remote = self._remote[request_id]
+        remote.aborted, remote.failure = True, why
+        self._failures.append((request_id, why))
+        if all(agent.abort(remote.transfer_id) for agent in self.agents):
+            self._drop_remote(request_id)
+
+    def _drop_remote(self, request_id: str) -> None:
+        """Forget a remote request whose transfer settled; free its pages (abort or failure)."""
+        remote = self._remote.pop(request_id)
+        failure = remote.failure
+        for agent in self.agents:
+            with _suppress():
+                agent.release(remote.transfer_id)
+        req = self.scheduler.abort(request_id)
+        tracked = self._tracked.pop(request_id, None)
+        if req is not None:
+            self._released_seq_ids.extend(s.seq_id for s in req.seqs)
+        if tracked is not None:
+            if failure is not None:
+                tracked.stats.failure_reason = "transfer"
+            self._close_stats(tracked, "abort" if failure is None else "error")
+
+    def _combined(self, transfer_id: str) -> TransferResult:
+        """One request's transfer over every shard of this group."""
+        results = [agent.result(transfer_id) for agent in self.agents]
+        if len(results) == 1:
+            return results[0]
+        failed = [r for r in results if r.state is TransferState.FAILED]
+        state = (TransferState.FAILED if failed else TransferState.DONE
+                 if all(r.state is TransferState.DONE for r in results) else TransferState.TRANSFERRING)
+        return TransferResult(request_id=transfer_id, state=state, settled=all(r.settled for r in results),
+                              reason="; ".join(r.reason for r in failed if r.reason) or None,
+                              num_bytes=sum(r.num_bytes for r in results),
+                              seconds=max(r.seconds for r in results), num_pages=results[0].num_pages)
+
+    def poll_transfers(self) -> list[RequestOutput]:
+        """Move disaggregated requests on (non-blocking): free a prefill's pages once its transfer settled or
+        its lease expired; start decoding a request whose KV landed and whose first token is known; fail one
+        whose KV cannot come. Returns the outputs of requests that started decoding."""
+        now = time.monotonic()
+        lease = self.transfer_config.lease_s
+        for rid, h in list(self._handoffs.items()):
+            if not h.sent:
+                continue
+            res = self._combined(h.transfer_id)
+            if res.settled:
+                for agent in self.agents:
+                    agent.release(h.transfer_id)
+                del self._handoffs[rid]
+                self.pages.free(h.seq_id)
+                ok = res.state is TransferState.DONE
+                self._outcomes.append((rid, ok, None if ok else res.reason or "failed"))
+            elif now - h.created > lease:  # nobody collected it: stop, free once the wire lets go
+                for agent in self.agents:
+                    agent.abort(h.transfer_id)
+        outputs = []
+        for rid, r in list(self._remote.items()):
+            res = self._combined(r.transfer_id)
+            if r.aborted:
+                if res.settled:
+                    self._drop_remote(rid)
+                continue
+            if res.state is TransferState.FAILED:
+                self._fail_remote(rid, f"KV transfer failed: {res.reason}")
+                continue
+            if res.state is TransferState.DONE and not r.landed:
+                r.landed = True
+            if r.landed and r.first is not None:
+                outputs.extend(self._activate(rid, r))
+            elif now - r.created > lease:
+                why = "the first token never came" if r.landed else "no KV arrived"
+                self._fail_remote(rid, f"lease expired after {lease:g} s: {why}")
+        for agent in self.agents:
+            stats = agent.pop_stats()
+            if self.role == "prefill":  # one record per transfer: the sender's (the receiver's is the same bytes)
+                self._transfer_stats.extend(stats)
         return outputs
+
+    def _activate(self, rid: str, r: _Remote) -> list[RequestOutput]:
+        del self._remote[rid]
+        for agent in self.agents:
+            agent.release(r.transfer_id)
+        token, logprobs = r.first
+        t = self._tracked[rid]
+        seq = self.scheduler.activate_remote(rid, token)
+        self._on_token(t, seq, token, logprobs, time.monotonic())
+        out = self._output(t)
+        if t.req.finished:
+            self._retire(t)
+        return [out]
+
+    def pop_failures(self) -> list[tuple[str, str]]:
+        """(request id, reason) of decode requests that failed for their KV since the last call."""
+        out, self._failures = self._failures, []
+        return out
+
+    def pop_transfer_outcomes(self) -> list[tuple[str, bool, str | None]]:
+        """Prefill: (request id, ok, reason) of every handed-off request whose transfer settled."""
+        out, self._outcomes = self._outcomes, []
+        return out
+
+    def pop_transfer_stats(self) -> list[TransferStats]:
+        out, self._transfer_stats = self._transfer_stats, []
+        return out
+
+    def add_transfer_listener(self, fn) -> None:
+        """`fn()` is called (from a transfer thread) whenever a transfer of this engine settles."""
+        for agent in self.agents:
+            agent.add_listener(fn)
+
+    def hold_pages(self, num_pages: int) -> int:
+        """Take `num_pages` free pages out of the pool (tests and drills: a full decode replica); 0 gives them
+        back. Returns how many are held."""
+        self.pages.free(_HOLD_SEQ_ID)
+        if num_pages > 0:
+            self.pages.admit(_HOLD_SEQ_ID)
+            if not self.pages.allocate(_HOLD_SEQ_ID, num_pages * self.page_size):
+                self.pages.free(_HOLD_SEQ_ID)
+                raise ValueError(f"num_pages: only {self.pages.num_free_pages} pages are free")
+        return num_pages
 
     def _on_prompt_logprobs(self, request_id: str, start: int, dicts: list[dict[int, float]]) -> None:
         t = self._prompt_logprob_pending.get(request_id)
@@ -244,7 +521,7 @@ class Engine:
                         seq.finish_reason, seq.stop_reason = "stop", stop
                     else:
                         self.scheduler.finish(seq, "stop", stop)
-        if seq.finished and not t.stopped_by_string[i]:
+        if seq.finished and not t.stopped_by_string[i] and seq.finish_reason != "handoff":
             t.texts[i] += t.detoks[i].flush()
 
     def _output(self, t: _Tracked) -> RequestOutput:
@@ -253,12 +530,14 @@ class Engine:
         for seq in req.seqs:
             i = seq.index
             text = t.texts[i]
-            if t.holdback and seq.finish_reason is None:
+            handoff = seq.finish_reason == "handoff"  # the request goes on elsewhere: as unfinished here
+            if t.holdback and (seq.finish_reason is None or handoff):
                 # Never show the start of a stop string a later token may complete (the text would shrink).
                 text = text[:max(len(text) - t.holdback, 0)]
             outs.append(CompletionOutput(index=i, token_ids=seq.output_token_ids, text=text,
                                          logprobs=list(t.logprobs[i]) if t.logprobs[i] is not None else None,
-                                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                                         finish_reason=None if handoff else seq.finish_reason,
+                                         stop_reason=seq.stop_reason))
         return RequestOutput(request_id=req.request_id, prompt=t.prompt, prompt_token_ids=req.prompt_token_ids,
                              outputs=outs, finished=req.finished,
                              prompt_logprobs=list(t.prompt_logprobs) if t.prompt_logprobs_done else None)
@@ -279,7 +558,8 @@ class Engine:
     # ---- stats ------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         pm = self.pages
-        return EngineStats(role=self.role, num_running=self.scheduler.num_running,
+        # decode: requests whose pages are reserved while their KV arrives count as running
+        return EngineStats(role=self.role, num_running=self.scheduler.num_running + len(self._remote),
                            num_waiting=self.scheduler.num_waiting, num_pages_total=pm.num_pages,
                            num_pages_free=pm.num_free_pages, num_pages_cached=pm.num_cached_pages,
                            prefix_cache_queries=pm.prefix_queries, prefix_cache_hits=pm.prefix_hits,
@@ -295,4 +575,16 @@ class Engine:
         return out
 
     def shutdown(self) -> None:
+        for agent in self.agents:
+            with _suppress():
+                agent.close()
         self.executor.shutdown()
+
+
+_HOLD_SEQ_ID = -1  # the page manager owner of `Engine.hold_pages`
+
+
+def _suppress():
+    import contextlib
+
+    return contextlib.suppress(Exception)

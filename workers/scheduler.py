@@ -19,6 +19,13 @@ detokenizer and calls `finish()`.
 `n > 1`: the request's sample 0 runs first; when its prompt is computed, samples 1..n-1 are forked from it:
 they share its full prompt pages by reference and compute the partial last prompt page themselves (see
 `workers/pages.py` for why that beats copy-on-write), then sample independently.
+
+Disaggregation (docs/disaggregation.md): on a prefill engine a request added with `handoff=True` runs its
+prompt and samples one token; if that token does not end it, the sequence finishes with reason "handoff" and
+keeps its pages (the engine frees them once the KV transfer settled). On a decode engine `add_remote` reserves
+the pages of a prompt computed elsewhere (status REMOTE: outside both queues); `activate_remote` appends the
+first token the prefill engine sampled and queues the sequence for its first decode step (`remote_ready`,
+admitted ahead of the waiting queue since its pages are already held).
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from workers.request import SamplingParams
 
 class SeqStatus(enum.Enum):
     PENDING_FORK = "pending_fork"  # sample i > 0 waiting for sample 0's prompt
+    REMOTE = "remote"  # decode engine: pages reserved, the prompt's KV is computed and sent by a prefill engine
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -93,6 +101,7 @@ class Request:
     forked: bool = False
     first_scheduled_time: float | None = None
     prefix_cache_hit_tokens: int = 0
+    handoff: bool = False  # prefill engine: after the first token, keep the pages for the decode engine
 
     @property
     def finished(self) -> bool:
@@ -148,18 +157,25 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the tail is the newest (first preempted)
         self.requests: dict[str, Request] = {}
+        self.remote_ready: deque[Sequence] = deque()  # decode: KV landed, first token known, not yet running
         self.num_preemptions = 0  # cumulative
         self._next_seq_id = 0
 
     # ---- requests ---------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
-                    arrival_time: float | None = None) -> Request:
-        """Queue a request. Raises ValueError naming the field for a request that can never be served."""
+                    arrival_time: float | None = None, handoff: bool = False) -> Request:
+        """Queue a request. Raises ValueError naming the field for a request that can never be served.
+        `handoff` (prefill engine): stop after the first token and keep the pages for a KV transfer."""
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         prompt = [int(t) for t in prompt_token_ids]
         max_tokens = self.validate(prompt, params)
-        req = Request(request_id=request_id, prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
+        if handoff and params.n != 1:
+            raise ValueError(f"n: disaggregated serving runs one sample per request, got n={params.n}")
+        # no handoff when the first token is the last one anyway (max_tokens 1, or the context is full)
+        handoff = handoff and max_tokens > 1 and len(prompt) + 1 < self.config.max_model_len
+        req = Request(request_id=request_id, prompt_token_ids=prompt, params=params,
+                      max_tokens=1 if handoff else max_tokens, handoff=handoff,
                       arrival_time=self.clock() if arrival_time is None else arrival_time)
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, SeqStatus.WAITING if i == 0 else SeqStatus.PENDING_FORK)
@@ -201,6 +217,51 @@ class Scheduler:
                              f"{self.pages.num_pages}")
         return max_tokens
 
+    def add_remote(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams, *,
+                   arrival_time: float | None = None) -> Request | None:
+        """Decode engine: reserve the pages of a prompt that a prefill engine computes (status REMOTE).
+        None when the pool cannot hold it now (admission watermark kept unless nothing runs); ValueError naming
+        the field for a request that can never be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if params.n != 1:
+            raise ValueError(f"n: disaggregated serving runs one sample per request, got n={params.n}")
+        prompt = [int(t) for t in prompt_token_ids]
+        max_tokens = self.validate(prompt, params)
+        empty = PrefixHit((), (), self.pages.page_size)
+        if not self.pages.can_admit(len(prompt), empty, ignore_watermark=not self.running):
+            return None
+        req = Request(request_id=request_id, prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time, forked=True)
+        seq = Sequence(self._next_seq_id, req, 0, SeqStatus.REMOTE)
+        self._next_seq_id += 1
+        req.seqs.append(seq)
+        self.pages.admit(seq.seq_id)
+        ok = self.pages.allocate(seq.seq_id, len(prompt))
+        assert ok, "can_admit promised these pages"
+        self.requests[request_id] = req
+        return req
+
+    def activate_remote(self, request_id: str, first_token: int) -> Sequence:
+        """Decode engine: the prompt's KV landed and `first_token` is known; the sequence decodes from here
+        (its pages hold the prompt, so `num_computed_tokens` = prompt length). Returns it (finished if the
+        token ends it)."""
+        req = self.requests[request_id]
+        seq = req.seqs[0]
+        if seq.status is not SeqStatus.REMOTE:
+            raise ValueError(f"request_id: {request_id!r} is {seq.status.value}, not awaiting its KV")
+        seq.token_ids.append(int(first_token))
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.pages.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        seq.status = SeqStatus.WAITING
+        stop = self._check_stop(seq, int(first_token))
+        if stop is not None:
+            self._finish(seq, *stop)
+            self.requests.pop(request_id, None)
+        else:
+            self.remote_ready.append(seq)
+        return seq
+
     def abort(self, request_id: str) -> Request | None:
         """Finish every unfinished sample of the request with reason 'abort', freeing its pages. None if unknown."""
         req = self.requests.pop(request_id, None)
@@ -219,7 +280,7 @@ class Scheduler:
                 self.requests.pop(seq.request.request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_ready)
 
     @property
     def num_waiting(self) -> int:
@@ -271,6 +332,19 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         # Running sample-0 sequences hold seats for the samples they will fork.
         seats_taken = sum(1 if q.index or q.request.forked else q.request.params.n for q in self.running)
+        # Sequences whose prompt KV came from a prefill engine hold their pages already: they go first.
+        while self.remote_ready and budget > 0 and seats_taken < max_seqs:
+            seq = self.remote_ready[0]
+            if not self.pages.allocate(seq.seq_id, seq.num_tokens):
+                break
+            self.remote_ready.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seats_taken += 1
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = self.clock()
+            chunks.append(self._chunk(seq, seq.num_tokens - seq.num_computed_tokens))
+            budget -= 1
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             req = seq.request
@@ -369,8 +443,14 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
-        self.pages.free(seq.seq_id)
+            if seq in self.remote_ready:
+                self.remote_ready.remove(seq)
+            else:
+                self.waiting.remove(seq)
+        if reason == "length" and seq.request.handoff:
+            reason = "handoff"  # the pages stay: the engine frees them once the KV transfer settled
+        else:
+            self.pages.free(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

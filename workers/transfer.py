@@ -55,9 +55,12 @@ class TransferConfig:
     max_chunk_bytes: int = 64 * 2**20  # staging buffer (= message) size cap
     max_inflight_chunks: int = 4  # staging buffers alive at once per pair (bounds staging memory)
     verify_checksum: bool = False  # sum the staged words on both sides (costs one extra read of the payload)
+    # the engines' side (disaggregation): pages a prefill engine holds for a transfer, or a decode engine reserved
+    # for one, are freed when nothing settles or continues the request within this many seconds
+    lease_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s"):
+        for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         if self.max_chunk_bytes < 1:
@@ -274,6 +277,28 @@ class _Endpoint:
         self._cond = threading.Condition()
         self._workers: dict[str, _PairWorker] = {}
         self._stats: list[TransferStats] = []
+        self._listeners: list = []  # called (no lock held) whenever an op settles: wakes an engine's step loop
+
+    def add_listener(self, fn) -> None:
+        """Call `fn()` whenever an op of this end settles (from whichever thread settled it; keep it cheap)."""
+        self._listeners.append(fn)
+
+    def _notify(self) -> None:
+        for fn in self._listeners:
+            try:
+                fn()
+            except Exception:
+                pass
+
+    def remove_peer(self, name: str) -> None:
+        """Stop and close one pair (a broken one, replaced under a new name). Its unsettled ops end FAILED."""
+        w = self._workers.pop(name, None)
+        if w is None:
+            return
+        w.stop()
+        w.thread.join(timeout=2.0)
+        w.channel.close()
+        self._fail_unsettled(name, f"pair_broken: pair {name} removed")
 
     # --- peers ---
     def _check_channel(self, channel: PairChannel) -> None:
@@ -317,6 +342,7 @@ class _Endpoint:
                                                  seconds=op.finished - op.started, num_pages=op.page_ids.numel(),
                                                  ok=state is TransferState.DONE))
             self._cond.notify_all()
+        self._notify()
 
     def _expire(self) -> None:
         """Fail prepared receives whose header never came (called with the lock held)."""
@@ -377,7 +403,9 @@ class _Endpoint:
                 if op.state is TransferState.PENDING:
                     op.state, op.reason, op.finished = TransferState.FAILED, "aborted", time.monotonic()
             self._cond.notify_all()
-            return all(op.state.final for op in ops.values())
+            settled = all(op.state.final for op in ops.values())
+        self._notify()
+        return settled
 
     def release(self, request_id: str) -> TransferResult:
         """Forget a settled request and return its final result."""
@@ -427,6 +455,7 @@ class _Endpoint:
                 if op is not None and not op.state.final:
                     op.state, op.reason, op.finished = TransferState.FAILED, why, time.monotonic()
             self._cond.notify_all()
+        self._notify()
 
     def _peer_broken(self, peer: str, why: str) -> None:
         with self._cond:
@@ -435,6 +464,7 @@ class _Endpoint:
                 if op is not None and op.state is TransferState.PENDING:
                     op.state, op.reason, op.finished = TransferState.FAILED, f"pair_broken: {why}", time.monotonic()
             self._cond.notify_all()
+        self._notify()
 
     def close(self) -> None:
         for w in self._workers.values():
@@ -854,5 +884,134 @@ class FaultyChannel:
         return self.inner.send(buf, tag=tag)
 
 
+# ---- one shard's end, driven by plain values (what a ShardWorker forwards) ---------------------------------
+class TransferAgent:
+    """One shard's end of disaggregation: its pairs to the shards of remote groups and its per-request sends
+    or receives. Every argument and result is a plain value, so a `ShardWorker` actor can forward the calls
+    unchanged; the engine calls one agent per shard with the same page ids (a group's shards share page ids).
+
+    role "prefill" holds a `KVSender`, "decode" a `KVReceiver`. Pairs are grouped by the remote group's name
+    (the router's choice, e.g. "decode-0#2": replica decode-0, pair generation 2); each pair is a peer named
+    "<group>/<remote tp rank>". The routes come from `plan_routes(num_kv_heads, prefill_tp, decode_tp)`: this
+    shard takes the ones whose `dst` (decode) or `src` (prefill) is its tp rank.
+    """
+
+    def __init__(self, kv: KVCache, *, role: str, num_kv_heads: int, tp: int = 1, tp_rank: int = 0,
+                 config: TransferConfig = TransferConfig(), host: str = "127.0.0.1") -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role: a transfer agent is 'prefill' or 'decode', got {role!r}")
+        self.role, self.tp, self.tp_rank, self.num_kv_heads = role, tp, tp_rank, num_kv_heads
+        self.config, self.host = config, host
+        first, _count = kv_heads_of_rank(num_kv_heads, tp, tp_rank)
+        cls = KVSender if role == "prefill" else KVReceiver
+        self.end: KVSender | KVReceiver = cls(kv, kv_head_start=first, config=config)
+        device = kv.k[0].device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.device = device
+        self.faults: dict[str, str] = {}  # transfer id -> FaultyChannel kind, on this side's channels (tests)
+        self._groups: dict[str, list[str]] = {}
+
+    def _channel_timeout(self) -> float:
+        # must outlast one transfer (our own deadline acts first) and the pair's opening
+        return max(2 * self.config.timeout_s, self.config.connect_timeout_s)
+
+    # --- pairs ---
+    def listen(self, group: str, remote_tp: int) -> list[tuple[dict, tuple[str, int]]]:
+        """Decode side: host one pair per route from prefill group `group` (tp `remote_tp`) into this shard;
+        returns [(route as a dict, address)] for the prefill shards to `connect`."""
+        if self.role != "decode":
+            raise ValueError("listen: only a decode shard listens")
+        self.drop(group)
+        out, names = [], []
+        for r in plan_routes(self.num_kv_heads, remote_tp, self.tp):
+            if r.dst != self.tp_rank:
+                continue
+            ch = PairChannel.listen(host=self.host, backend=self.backend, device=self.device,
+                                    timeout_s=self._channel_timeout())
+            name = f"{group}/{r.src}"
+            self.end.add_peer(name, ch, r)
+            names.append(name)
+            out.append((dict(r.__dict__), ch.address))
+        self._groups[group] = names
+        return out
+
+    def connect(self, group: str, listened: Sequence[tuple[dict, tuple[str, int]]]) -> None:
+        """Prefill side: join the pairs that decode group `group`'s shards listen on, for this shard's routes."""
+        if self.role != "prefill":
+            raise ValueError("connect: only a prefill shard connects")
+        self.drop(group)
+        names = []
+        for route_dict, address in listened:
+            r = Route(**route_dict)
+            if r.src != self.tp_rank:
+                continue
+            ch = PairChannel.connect(tuple(address), backend=self.backend, device=self.device,
+                                     timeout_s=self._channel_timeout(), local_host=self.host)
+            name = f"{group}/{r.dst}"
+            self.end.add_peer(name, FaultyChannel(ch, self.faults), r)
+            names.append(name)
+        self._groups[group] = names
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        self.end.wait_ready(timeout_s)
+
+    def drop(self, group: str) -> None:
+        """Close every pair of `group` (replaced by a newer generation, or the remote replica is gone)."""
+        for name in self._groups.pop(group, []):
+            self.end.remove_peer(name)
+
+    @property
+    def groups(self) -> list[str]:
+        return list(self._groups)
+
+    def broken(self, group: str) -> str | None:
+        """Why a pair of `group` is broken (None if all are usable; 'unknown group' if there is none)."""
+        if group not in self._groups:
+            return f"unknown group {group!r}"
+        bad = self.end.broken_peers()
+        return next((f"{n}: {bad[n]}" for n in self._groups[group] if n in bad), None)
+
+    def set_faults(self, faults: Mapping[str, str]) -> None:
+        """Inject faults by transfer id (FaultyChannel kinds) on this prefill shard's pairs; {} clears."""
+        bad = {k: v for k, v in faults.items() if v not in FaultyChannel.KINDS}
+        if bad:
+            raise ValueError(f"faults: unknown kinds {bad}; known {FaultyChannel.KINDS}")
+        self.faults.clear()
+        self.faults.update(faults)
+
+    # --- requests ---
+    def _peers(self, group: str) -> list[str]:
+        names = self._groups.get(group)
+        if not names:
+            raise ValueError(f"group: no pairs to {group!r} on this {self.role} shard (have {list(self._groups)})")
+        return names
+
+    def prepare(self, transfer_id: str, page_ids: Sequence[int], group: str) -> None:
+        self.end.prepare_receive(transfer_id, page_ids, peers=self._peers(group))
+
+    def send(self, transfer_id: str, page_ids: Sequence[int], group: str) -> None:
+        self.end.send(transfer_id, page_ids, peers=self._peers(group))
+
+    def result(self, transfer_id: str) -> TransferResult:
+        return self.end.result(transfer_id)
+
+    def abort(self, transfer_id: str) -> bool:
+        return self.end.abort(transfer_id)
+
+    def release(self, transfer_id: str) -> TransferResult:
+        return self.end.release(transfer_id)
+
+    def pop_stats(self) -> list[TransferStats]:
+        return self.end.pop_stats()
+
+    def add_listener(self, fn) -> None:
+        self.end.add_listener(fn)
+
+    def close(self) -> None:
+        for group in list(self._groups):
+            self.drop(group)
+        self.end.close()
+
+
 __all__ = ["TransferConfig", "TransferState", "TransferResult", "Route", "plan_routes", "kv_heads_of_rank",
-           "KVHeader", "Segment", "plan_chunks", "KVSender", "KVReceiver", "FaultyChannel"]
+           "KVHeader", "Segment", "plan_chunks", "KVSender", "KVReceiver", "FaultyChannel", "TransferAgent"]

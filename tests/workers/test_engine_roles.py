@@ -1,0 +1,233 @@
+"""Engine roles in one process: a prefill engine and a decode engine (each its own model and KV pool) joined by
+a real gloo pair, against a unified engine on the same checkpoint. Also every way a disaggregated request can
+end early, with both pools checked to hold no page afterwards."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from workers.config import EngineConfig
+from workers.engine import Engine
+from workers.request import SamplingParams
+from workers.transfer import TransferConfig
+
+# prompts past 64 tokens: the tiny model's sparse layers select 4 of up to 10 blocks
+LENGTHS = [5, 17, 33, 64, 65, 90, 120, 150]
+MAX_TOKENS = [6, 4, 8, 1, 7, 5, 8, 3]
+P_GROUP, D_GROUP = "prefill-0#0", "decode-0#0"
+
+
+def prompts(seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 384) for _ in range(n)] for n in LENGTHS]
+
+
+def engine_config(**kw) -> EngineConfig:
+    return EngineConfig(**{"max_model_len": 256, "num_pages": 64, "max_num_batched_tokens": 128, **kw})
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_ckpt):
+    """(prefill engine, decode engine) with one open gloo pair; short timeouts so failure cases stay fast."""
+    torch.set_num_threads(1)
+    cfg = TransferConfig(timeout_s=1.5, receive_timeout_s=30.0, lease_s=5.0)
+    prefill = Engine(tiny_ckpt, engine_config=engine_config(), role="prefill", transfer=cfg)
+    decode = Engine(tiny_ckpt, engine_config=engine_config(), role="decode", transfer=cfg)
+    connect(prefill, decode, 0)
+    yield prefill, decode
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def connect(prefill: Engine, decode: Engine, gen: int) -> None:
+    listened = decode.agents[0].listen(f"prefill-0#{gen}", remote_tp=1)
+    prefill.agents[0].connect(f"decode-0#{gen}", listened)
+    prefill.agents[0].wait_ready(10)
+    decode.agents[0].wait_ready(10)
+
+
+def assert_empty(*engines: Engine) -> None:
+    for e in engines:
+        assert not e.has_unfinished(), f"{e.role}: requests left"
+        st = e.stats()
+        assert st.num_pages_free == st.num_pages_total, f"{e.role}: {st.num_pages_total - st.num_pages_free} pages held"
+        assert e.pages.owners() == {}, e.role
+        assert e.agents[0].end._ops == {}, f"{e.role}: transfer bookkeeping left"
+
+
+def drive(prefill: Engine, decode: Engine, until, timeout: float = 30.0, on_first=None):
+    """Step both engines (what each AsyncEngine thread does) until `until(state)`; the router's part: hand the
+    first token from prefill to decode. Returns the state: final outputs, prefill outputs, outcomes, failures."""
+    state = {"out": {}, "first": {}, "outcomes": {}, "failures": {}}
+    deadline = time.monotonic() + timeout
+    while not until(state):
+        assert time.monotonic() < deadline, f"stuck: {state['outcomes']} {state['failures']}"
+        busy = False
+        if prefill.has_unfinished():
+            for o in prefill.step():
+                busy = True
+                if o.finished:
+                    state["first"][o.request_id] = o
+                    c = o.outputs[0]
+                    if c.finish_reason is None and (on_first is None or on_first(o)):  # handed off
+                        lp = c.logprobs[0] if c.logprobs else None
+                        decode.continue_remote(o.request_id, c.token_ids[0], lp)
+            state["outcomes"].update({rid: (ok, why) for rid, ok, why in prefill.pop_transfer_outcomes()})
+        if decode.has_unfinished():
+            for o in decode.step():
+                busy = True
+                if o.finished:
+                    state["out"][o.request_id] = o
+            state["failures"].update(dict(decode.pop_failures()))
+        if not busy:
+            time.sleep(0.002)
+    return state
+
+
+def submit(prefill: Engine, decode: Engine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    pages = decode.admit_remote(rid, prompt, params, group=P_GROUP)
+    assert pages is not None
+    prefill.add_request(rid, prompt, params, handoff_to=D_GROUP)
+    return pages
+
+
+def test_disaggregated_equals_unified(pair, tiny_ckpt):
+    prefill, decode = pair
+    params = [SamplingParams(temperature=0.0, max_tokens=k, logprobs=5, ignore_eos=True) for k in MAX_TOKENS]
+    unified = Engine(tiny_ckpt, engine_config=engine_config(), role="unified")
+    for i, (p, sp) in enumerate(zip(prompts(), params)):
+        unified.add_request(f"u{i}", p, sp)
+    want = {}
+    while unified.has_unfinished():
+        want.update({o.request_id[1:]: o for o in unified.step() if o.finished})
+
+    ids = [str(i) for i in range(len(LENGTHS))]
+    for rid, p, sp in zip(ids, prompts(), params):
+        if sp.max_tokens > 1:
+            submit(prefill, decode, rid, p, sp)
+        else:  # one token: prefill alone answers, nothing is reserved on decode
+            prefill.add_request(rid, p, sp, handoff_to=D_GROUP)
+    handed = [r for r, sp in zip(ids, params) if sp.max_tokens > 1]
+    st = drive(prefill, decode, lambda s: set(s["out"]) >= set(handed) and len(s["outcomes"]) == len(handed))
+    assert all(ok for ok, _ in st["outcomes"].values()), st["outcomes"]
+    for rid in ids:
+        w = want[rid].outputs[0]
+        first = st["first"][rid].outputs[0]
+        assert first.token_ids == w.token_ids[:1]
+        got = w if rid not in handed else st["out"][rid].outputs[0]
+        assert got.token_ids == w.token_ids, f"request {rid} (prompt {LENGTHS[int(rid)]})"
+        assert got.finish_reason == "length"
+        assert got.text == w.text
+        for a, b in zip(first.logprobs + got.logprobs[1:], w.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a)
+    stats = prefill.pop_transfer_stats()
+    assert sorted(s.request_id for s in stats) == sorted(handed)
+    assert all(s.ok and s.num_bytes > 0 and s.seconds > 0 for s in stats)
+    # bytes = pages x (K + V per layer for 2 KV heads x 32 dims + index-K of the 3 sparse layers) x 16 tokens x 4 B
+    per_page = 16 * 4 * (4 * 2 * 2 * 32 + 3 * 32)
+    assert {s.request_id: s.num_bytes for s in stats} == {
+        r: -(-LENGTHS[int(r)] // 16) * per_page for r in handed}
+    roles = {s.role for s in decode.pop_request_stats()} | {s.role for s in prefill.pop_request_stats()}
+    assert roles == {"prefill", "decode"}
+    unified.shutdown()
+    assert_empty(prefill, decode)
+
+
+def test_abort_before_and_after_the_transfer(pair):
+    prefill, decode = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    p = prompts()[5]
+    # decode admitted, prefill never ran: the decode abort frees at once
+    submit_decode_only = decode.admit_remote("a0", p, sp, group=P_GROUP)
+    assert len(submit_decode_only) == -(-len(p) // 16)
+    assert decode.stats().num_pages_free == decode.stats().num_pages_total - len(submit_decode_only)
+    assert decode.abort_request("a0")
+    assert_empty(decode)
+    # KV landed on decode, first token never handed over (the client left between prefill and decode)
+    submit(prefill, decode, "a1", p, sp)
+    st = drive(prefill, decode, lambda s: "a1" in s["outcomes"], on_first=lambda o: False)
+    assert st["outcomes"]["a1"] == (True, None)
+    assert decode.stats().num_pages_free < decode.stats().num_pages_total
+    assert decode.abort_request("a1") and prefill.abort_request("a1") is False
+    drive(prefill, decode, lambda s: not decode.has_unfinished())
+    assert_empty(prefill, decode)
+
+
+def test_transfer_failures_free_both_sides(pair):
+    prefill, decode = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    p = prompts()[4]
+    # refused header: both ends fail, the pair stays usable
+    prefill.agents[0].set_faults({"f0": "corrupt_header"})
+    submit(prefill, decode, "f0", p, sp)
+    st = drive(prefill, decode, lambda s: "f0" in s["outcomes"] and "f0" in s["failures"])
+    ok, why = st["outcomes"]["f0"]
+    assert not ok and "header mismatch" in why and "header mismatch" in st["failures"]["f0"]
+    assert prefill.agents[0].broken(D_GROUP) is None
+    # the sender dies before its header (peer gone): prefill fails at once; the decode side is aborted by the router
+    prefill.agents[0].set_faults({"f1": "peer_gone"})
+    submit(prefill, decode, "f1", p, sp)
+    st = drive(prefill, decode, lambda s: "f1" in s["outcomes"])
+    assert st["outcomes"]["f1"][0] is False and "peer_gone" in st["outcomes"]["f1"][1]
+    assert decode.abort_request("f1")
+    assert prefill.agents[0].broken(D_GROUP)
+    drive(prefill, decode, lambda s: not decode.has_unfinished())
+    assert_empty(prefill, decode)
+    # a new pair generation replaces the broken one; the sender goes silent mid-payload (dead prefill)
+    for e, g in ((prefill, D_GROUP), (decode, P_GROUP)):
+        e.agents[0].drop(g)
+    connect(prefill, decode, 1)
+    prefill.agents[0].set_faults({"f2": "drop_payload"})
+    decode.admit_remote("f2", p, sp, group="prefill-0#1")
+    prefill.add_request("f2", p, sp, handoff_to="decode-0#1")
+    st = drive(prefill, decode, lambda s: "f2" in s["outcomes"] and "f2" in s["failures"])
+    assert "timeout" in st["outcomes"]["f2"][1] and "timeout" in st["failures"]["f2"]
+    prefill.agents[0].set_faults({})
+    for e, g in ((prefill, "decode-0#1"), (decode, "prefill-0#1")):
+        e.agents[0].drop(g)
+    connect(prefill, decode, 0)
+    assert_empty(prefill, decode)
+
+
+def test_decode_pool_full_refuses_and_lease_frees(pair):
+    prefill, decode = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    p = prompts()[6]
+    decode.hold_pages(decode.pages.num_free_pages - 2)
+    assert decode.admit_remote("full", p, sp, group=P_GROUP) is None  # no room: nothing reserved
+    decode.hold_pages(0)
+    assert_empty(decode)
+    # admitted, but neither KV nor first token ever comes: the lease frees the pages
+    lease = dataclass_replace_lease(decode, 0.3)
+    try:
+        decode.admit_remote("lease", p, sp, group=P_GROUP)
+        st = drive(prefill, decode, lambda s: "lease" in s["failures"], timeout=10)
+        assert "lease expired" in st["failures"]["lease"] or "no KV arrived" in st["failures"]["lease"]
+    finally:
+        decode.transfer_config = lease
+    assert_empty(decode)
+
+
+def dataclass_replace_lease(engine: Engine, lease_s: float) -> TransferConfig:
+    import dataclasses
+
+    old = engine.transfer_config
+    engine.transfer_config = dataclasses.replace(old, lease_s=lease_s)
+    return old
+
+
+def test_roles_refuse_what_they_cannot_do(pair, tiny_ckpt):
+    prefill, decode = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(ValueError, match="^n:"):
+        decode.admit_remote("n2", [5, 6, 7], SamplingParams(n=2, max_tokens=3), group=P_GROUP)
+    with pytest.raises(ValueError, match="^group:"):
+        decode.admit_remote("g", [5, 6, 7], sp, group="nobody#0")
+    with pytest.raises(ValueError, match="^handoff_to:"):
+        decode.add_request("h", [5, 6, 7], sp, handoff_to=D_GROUP)
+    with pytest.raises(KeyError):
+        decode.continue_remote("never-admitted", 5)
+    assert_empty(prefill, decode)
