@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import pytest
 
-from deploy.metrics import METRICS, request_observations, spec
+from deploy.metrics import request_observations, spec
 from tests.deploy.promhelp import Prometheus, dashboard_queries, has_finite_value
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -70,19 +70,34 @@ def _roles_moved(before: dict[Series, float], after: dict[Series, float]) -> set
     return {dict(s).get("role") for s, v in after.items() if v != before.get(s, 0.0)}
 
 
-def _wait_settled(prom: Prometheus, model: str, after_time: float, timeout_s: float = 20.0) -> dict[Series, float]:
-    """A snapshot from scrapes made after `after_time` (plus one report interval) that no longer changes."""
+def _wait_settled(prom: Prometheus, model: str, after_time: float, scrapes: int = 3,
+                  timeout_s: float = 20.0) -> dict[Series, float]:
+    """A snapshot that `scrapes` consecutive scrapes, all made more than one report interval after
+    `after_time`, agree on."""
     deadline = time.monotonic() + timeout_s
-    prev = None
+    seen: list[tuple[float, dict[Series, float]]] = []
     while time.monotonic() < deadline:
         last = prom.scalar("max(timestamp(up))") or 0.0  # time of the latest scrape
-        if last > after_time + 1.0:  # Ray's workers report every 0.5 s in tests
+        if last > after_time + 1.0 and (not seen or last > seen[-1][0]):  # workers report every 0.5 s in tests
             snap = _snapshot(prom, model)
-            if prev is not None and snap == prev[1] and last > prev[0]:
+            seen = [x for x in seen if x[1] == snap] + [(last, snap)]
+            if len(seen) >= scrapes:
                 return snap
-            prev = (last, snap)
-        time.sleep(0.6)
+        time.sleep(0.5)
     raise TimeoutError("Prometheus's m3serve series did not settle")
+
+
+def _wait_deltas(prom: Prometheus, model: str, before: dict[Series, float], want: dict[tuple, float],
+                 timeout_s: float = 20.0) -> tuple[dict[tuple, float], dict[Series, float]]:
+    """Poll until the deltas since `before` equal `want` (Ray's export may lag a report or two); returns the
+    last deltas and snapshot either way, so the caller's assertion shows the difference."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = _snapshot(prom, model)
+        got = _deltas(before, after)
+        if got == want or time.monotonic() > deadline:
+            return got, after
+        time.sleep(0.5)
 
 
 def _drain_until(serve_app, want: int | None = None, want_id: str | None = None, timeout_s: float = 20.0) -> list:
@@ -147,8 +162,6 @@ def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_p
         assert len(engine_stats) == NUM_PROMPTS, [s.request_id for s in engine_stats]
         assert {(s.prompt_tokens, s.generation_tokens, s.finished_reason) for s in engine_stats} == {
             (INPUT_LEN, OUTPUT_LEN, "length")}
-        after = _wait_settled(prom, serve_app.model, time.time())
-        got = _deltas(before, after)
 
         # What the bench client sent, counted by the server exactly once each.
         n, n_in, n_out = result["completed"], result["total_input_tokens"], result["total_output_tokens"]
@@ -164,6 +177,7 @@ def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_p
             for le, count in _expected_buckets(name, engine_stats).items():
                 if count:
                     want[(spec(name).exported_name + "_bucket", "unified", le, None, None)] = count
+        got, after = _wait_deltas(prom, serve_app.model, before, want)
         assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
         assert _roles_moved(before, after) == {"unified"}
         moved = [dict(s) for s, v in after.items() if v != before.get(s, 0.0)]
