@@ -75,8 +75,11 @@ class LocalExecutor:
 
 def make_executor(kind: ExecutorKind, model_dir, *, engine_config: EngineConfig, parallel: ParallelConfig,
                   device: str) -> Executor:
-    if parallel.world_size > 1 or parallel.ep > 1:
-        raise NotImplementedError("parallel: tp/ep/dp > 1 needs the multi-shard worker group (issue 5)")
+    if parallel.world_size > 1 or not isinstance(kind, str):
+        # a worker group of tp * dp shards, an executor given ready-made, or a group's placement options
+        from workers.group import make_group_executor
+
+        return make_group_executor(kind, model_dir, engine_config=engine_config, parallel=parallel, device=device)
     if kind in ("auto", "local"):
         return LocalExecutor(model_dir, engine_config=engine_config, device=device)
     if kind == "ray":
@@ -135,6 +138,14 @@ class _Remote:
 
 
 class Engine:
+    def __new__(cls, *args, parallel: ParallelConfig = ParallelConfig(), **kwargs):
+        # dp > 1 (attention data parallel): one engine core per dp rank over one worker group (workers/group.py)
+        if cls is Engine and parallel.dp > 1:
+            from workers.group import DPEngine
+
+            return super().__new__(DPEngine)
+        return super().__new__(cls)
+
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: Role = "unified",
                  executor: ExecutorKind = "auto", transfer: TransferConfig | None = None) -> None:

@@ -1,6 +1,10 @@
 """The model runner: owns one shard's model and KV pages on one device, runs a step's forward and samples.
 
-The runner is what a `ShardWorker` actor wraps; with one shard the engine may call it in-process.
+The runner is what a `ShardWorker` actor wraps; with one shard the engine may call it in-process. In a worker
+group (`ctx` with tp/ep/dp > 1) every tp rank of a dp rank runs the same batch; only tp rank 0 samples (the
+logits are gathered over tp on every rank, so the others would only repeat it) and its result is the one the
+engine reads. A dp rank without work still runs an empty forward when its MoE collectives span other dp ranks
+(`ctx.dp_ranks_in_lockstep`), so no peer waits forever.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 from msa.config import M3Config, load_config
 from msa.kv_cache import KVCache
+from msa.metadata import build_metadata
 from msa.model import load_model
 from msa.parallel import ParallelContext
 from workers.batch import StepBatch, logits_row_of_chunk
@@ -64,6 +69,10 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, device: str | torch.device = "cpu",
                  ctx: ParallelContext | None = None) -> None:
+        self.ctx = ctx or ParallelContext.single()
+        # tp rank 0 samples for its dp rank; the other tp ranks only join the forward's collectives
+        self.samples = self.ctx.tp_rank == 0
+        self.num_idle_forwards = 0  # empty-batch forwards run to keep a lockstep dp group's collectives matched
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -79,16 +88,18 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
 
     def info(self) -> dict:
+        ctx = self.ctx
         return {"num_pages": self.num_pages, "page_size": self.page_size, "dtype": str(self.dtype),
                 "device": str(self.device),
-                "kv_bytes": self.num_pages * KVCache.bytes_per_page(self.config, self.dtype)}
+                "kv_bytes": self.num_pages * KVCache.bytes_per_page(self.config, self.dtype, ctx),
+                "rank": ctx.world_rank, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "ep_rank": ctx.ep_rank}
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
         for sid in batch.released_seq_ids:
             self._generators.pop(sid, None)
         if not batch.chunks:
-            return StepResult(token_ids=[], logprobs=[], forward_time=0.0, sample_time=0.0, prompt_logprobs=[])
+            return self._idle_step()
         t0 = time.perf_counter()
         meta = batch.to_metadata(self.page_size, self.device)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -107,6 +118,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
+        if not self.samples:
+            return StepResult(token_ids=[], logprobs=[], forward_time=t1 - t0, sample_time=0.0, prompt_logprobs=[])
         token_ids: list[int] = []
         logprobs: list[dict[int, float] | None] = []
         if batch.rows:
@@ -118,6 +131,20 @@ class ModelRunner:
                       for r, pc in zip(plp_rows, batch.prompt_logprob_chunks)]
         return StepResult(token_ids=token_ids, logprobs=logprobs, forward_time=t1 - t0,
                           sample_time=time.perf_counter() - t1, prompt_logprobs=prompt_lps)
+
+    def _idle_step(self) -> StepResult:
+        """No work for this dp rank this step: run an empty forward only if peers in other dp ranks need this
+        rank in their MoE collectives."""
+        if not self.ctx.dp_ranks_in_lockstep:
+            return StepResult(token_ids=[], logprobs=[], forward_time=0.0, sample_time=0.0, prompt_logprobs=[])
+        t0 = time.perf_counter()
+        meta = build_metadata([], self.page_size, self.device)
+        self.model(torch.empty(0, dtype=torch.int64, device=self.device), meta, self.kv)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.num_idle_forwards += 1
+        return StepResult(token_ids=[], logprobs=[], forward_time=time.perf_counter() - t0, sample_time=0.0,
+                          prompt_logprobs=[])
 
     def _prompt_logprobs(self, logits: torch.Tensor, pc) -> list[dict[int, float]]:
         targets = torch.tensor(pc.target_ids, dtype=torch.int64).to(self.device)

@@ -1,0 +1,491 @@
+"""A worker group: one model instance spread over `tp * dp` `ShardWorker` actors (docs/parallelism.md).
+
+`WorkerGroup` places the shards (a placement group, one bundle per shard), assigns world ranks (rank r is tp
+rank r % tp of dp rank r // tp), wires the rendezvous (rank 0 serves a TCPStore on a free port of its node),
+has every rank join the process groups and load its own weight slices, and runs steps: each dp rank gets its
+own batch, every tp rank of a dp rank the same one, and the result of each dp rank's tp rank 0 (the one that
+samples) comes back. A step is one Ray call per rank; the batch of a dp rank is pickled once, not once per rank.
+
+`GroupExecutor` is the engine's executor for dp = 1 (tp and/or ep > 1): the engine is unchanged, its one
+batch goes to every rank.
+
+`DPEngine` serves dp > 1 (attention data parallel): one engine core (scheduler + page manager + request state)
+per dp rank, each new request assigned to the least loaded dp rank, and every step runs all dp ranks' batches in
+one group step. A dp rank with nothing to do gets no batch; when its MoE collectives span other dp ranks
+(`ep > tp`) it still runs an empty forward so its peers never wait. `Engine(..., parallel=ParallelConfig(dp=2))`
+builds one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from workers.batch import StepBatch
+from workers.config import EngineConfig, ParallelConfig
+from workers.engine import Engine
+from workers.request import RequestOutput, SamplingParams
+from workers.runner import StepResult
+from workers.stats import EngineStats, RequestStats, StepStats
+
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+class GroupStartError(RuntimeError):
+    """A worker group could not start: its placement was not granted in time, or a rank failed to start."""
+
+
+class GroupError(RuntimeError):
+    """A running worker group lost a rank (its step failed or its actor died); the group is unusable."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupOptions:
+    """How a worker group is placed and started.
+
+    num_cpus_per_shard: Ray CPUs per shard bundle (a GPU shard takes one GPU besides). strategy: placement
+    strategy; None = STRICT_PACK (every shard on one node) when some node can hold the whole group, else PACK.
+    placement_timeout_s: how long to wait for the cluster to grant the bundles. start_timeout_s: how long the
+    ranks may take to join the process group and load their weights. collective_timeout_s: the process
+    groups' timeout (a collective stuck longer fails). moe_dispatch: "alltoall" | "allreduce" (ep > 1).
+    """
+
+    num_cpus_per_shard: float = 1.0
+    strategy: str | None = None
+    placement_timeout_s: float = 60.0
+    start_timeout_s: float = 600.0
+    collective_timeout_s: float = 600.0
+    moe_dispatch: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        if self.num_cpus_per_shard < 0:
+            raise ValueError(f"num_cpus_per_shard: must be >= 0, got {self.num_cpus_per_shard}")
+        if self.strategy is not None and self.strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"strategy: {self.strategy!r} is not one of {PLACEMENT_STRATEGIES}")
+        for name in ("placement_timeout_s", "start_timeout_s", "collective_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        if self.moe_dispatch not in ("alltoall", "allreduce"):
+            raise ValueError(f"moe_dispatch: {self.moe_dispatch!r} is not one of ('alltoall', 'allreduce')")
+
+
+def _cause(e: BaseException) -> str:
+    """The original error of a failed actor call, as `Type: message` (the first line of a Ray task error)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _fits_one_node(bundles: list[dict[str, float]]) -> bool:
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    return any(n.get("Alive") and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in need.items())
+               for n in ray.nodes())
+
+
+class WorkerGroup:
+    """`parallel.world_size` ShardWorker actors running one model instance. Raises `GroupStartError` (naming
+    the rank and its cause, or the placement) when it cannot start; everything it made is released then."""
+
+    def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, parallel: ParallelConfig,
+                 device: str = "cpu", options: GroupOptions = GroupOptions()) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError(f"parallel: a worker group of {parallel.world_size} shards needs ray.init() first")
+        self.parallel = parallel
+        self.options = options
+        self.world_size = parallel.world_size
+        self.device = device
+        self.lockstep = parallel.dp > 1 and parallel.ep > parallel.tp  # == ParallelContext.dp_ranks_in_lockstep
+        self.actors: list = []
+        self.placement_group = None
+        self._broken: str | None = None
+        self._empty_payload = pickle.dumps(StepBatch(input_ids=[], chunks=[], sample_chunks=[], rows=[],
+                                                     released_seq_ids=[]), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._place()
+            self._spawn(str(model_dir), engine_config)
+            self.rank_info = self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_pages = min(i["num_pages"] for i in self.rank_info)
+        self.page_size = self.rank_info[0]["page_size"]
+
+    # ---- start ------------------------------------------------------------------------------------------
+    def _bundle(self) -> dict[str, float]:
+        bundle = {"CPU": float(self.options.num_cpus_per_shard)} if self.options.num_cpus_per_shard else {}
+        if self.device.startswith("cuda"):
+            bundle["GPU"] = 1.0
+        return bundle or {"CPU": 0.001}  # a bundle must ask for something
+
+    def _place(self) -> None:
+        from ray.util.placement_group import placement_group
+
+        bundles = [self._bundle() for _ in range(self.world_size)]
+        strategy = self.options.strategy or ("STRICT_PACK" if _fits_one_node(bundles) else "PACK")
+        self.placement_group = placement_group(bundles, strategy=strategy)
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=self.options.placement_timeout_s)
+        if not ready:
+            raise GroupStartError(
+                f"placement: {self.world_size} shards of {bundles[0]} ({strategy}) were not granted within "
+                f"{self.options.placement_timeout_s:g} s; the cluster has {ray.available_resources()} free")
+
+    def _spawn(self, model_dir: str, engine_config: EngineConfig) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.shard import ShardWorker
+
+        bundle = self._bundle()
+        actor_cls = ray.remote(ShardWorker)
+        # Ray gives each GPU actor its own device as cuda:0 (CUDA_VISIBLE_DEVICES)
+        actor_device = "cuda" if self.device.startswith("cuda") else self.device
+        p = self.parallel
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                        placement_group_bundle_index=rank)
+            actor = actor_cls.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                                      scheduling_strategy=strategy,
+                                      name=None).remote(model_dir, engine_config, actor_device, rank=rank,
+                                                        parallel=p, moe_dispatch=self.options.moe_dispatch,
+                                                        collective_timeout_s=self.options.collective_timeout_s)
+            self.actors.append(actor)
+
+    def _start(self) -> list[dict]:
+        deadline = time.monotonic() + self.options.start_timeout_s
+        host, port = self._wait({self.actors[0].open_rendezvous.remote(): 0}, deadline, "open the rendezvous")[0]
+        calls = {a.start.remote(host, port): r for r, a in enumerate(self.actors)}
+        return self._wait(calls, deadline, "start")
+
+    def _wait(self, calls: dict, deadline: float | None, what: str) -> list:
+        """Results of `calls` (ref -> rank) in rank order. The first failure raises at once, naming its rank,
+        instead of waiting for peers that may be stuck in a collective with it."""
+        results: dict[int, object] = {}
+        pending = dict(calls)
+        while pending:
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:
+                ranks = sorted(pending.values())
+                raise GroupStartError(f"rank {ranks[0]}: did not {what} within {self.options.start_timeout_s:g} s "
+                                      f"(ranks {ranks} still pending)")
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as e:
+                    err = GroupStartError if deadline is not None else GroupError
+                    raise err(f"rank {rank} of {self._describe()} failed to {what}: {_cause(e)}") from e
+        return [results[r] for r in sorted(results)]
+
+    def _describe(self) -> str:
+        p = self.parallel
+        return f"the worker group (tp={p.tp}, ep={p.ep}, dp={p.dp})"
+
+    # ---- steps ------------------------------------------------------------------------------------------
+    def execute(self, batches: Sequence[StepBatch | None]) -> list[StepResult | None]:
+        """Run one step: `batches[d]` on every tp rank of dp rank d (None = dp rank d has no work). -> the
+        result of each dp rank (None where it had no work)."""
+        p = self.parallel
+        if len(batches) != p.dp:
+            raise ValueError(f"batches: {len(batches)} for dp={p.dp}")
+        if self._broken is not None:
+            raise GroupError(f"worker group unusable: {self._broken}")
+        if all(b is None for b in batches):
+            return [None] * p.dp
+        calls: dict = {}
+        for d, batch in enumerate(batches):
+            if batch is None and not self.lockstep:
+                continue  # nobody waits on this dp rank's collectives
+            payload = self._empty_payload if batch is None else pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+            for r in range(d * p.tp, (d + 1) * p.tp):
+                calls[self.actors[r].execute_pickled.remote(payload)] = r
+        try:
+            by_rank = dict(zip(sorted(calls.values()), self._wait(calls, None, "run a step")))
+        except GroupError as e:
+            self._broken = str(e)
+            raise
+        return [by_rank.get(d * p.tp) if batches[d] is not None else None for d in range(p.dp)]
+
+    def ping(self, timeout_s: float = 30.0) -> list[str]:
+        """Health check: every rank answers (after any step it is running). Raises `GroupError` naming the
+        first rank that is dead or does not answer in time."""
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        out = []
+        for r, ref in enumerate(refs):
+            if ref not in ready:
+                raise GroupError(f"rank {r}: no answer to a ping within {timeout_s:g} s")
+            try:
+                out.append(ray.get(ref))
+            except Exception as e:
+                raise GroupError(f"rank {r}: {_cause(e)}") from e
+        return out
+
+    def call(self, method: str, *args) -> list:
+        """Call `method` on every rank (tests, diagnostics); results in rank order."""
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def shutdown(self) -> None:
+        """Kill the actors and release the placement. No graceful group teardown: a peer may be dead or stuck
+        in a collective, and killing every rank ends all of it."""
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        self.actors = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:
+                pass
+            self.placement_group = None
+
+
+class GroupExecutor:
+    """The engine's executor for one dp rank spread over tp (and ep) ranks: every rank runs the same batch."""
+
+    def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, parallel: ParallelConfig,
+                 device: str = "cpu", options: GroupOptions = GroupOptions()) -> None:
+        if parallel.dp != 1:
+            raise ValueError(f"dp: GroupExecutor runs one dp rank (dp={parallel.dp} needs DPEngine)")
+        self.group = WorkerGroup(model_dir, engine_config=engine_config, parallel=parallel, device=device,
+                                 options=options)
+
+    def info(self) -> dict:
+        return {**self.group.rank_info[0], "num_pages": self.group.num_pages}
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        return self.group.execute([batch])[0]
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def make_group_executor(kind, model_dir: str | Path, *, engine_config: EngineConfig, parallel: ParallelConfig,
+                        device: str):
+    """The executor `Engine` builds when `parallel` spans several shards or `kind` is not a plain kind name:
+    an executor object is used as given (a dp rank's core); `GroupOptions` place a group; "auto"/"ray" place
+    one with the default options; "local" cannot hold several shards."""
+    if not isinstance(kind, (str, GroupOptions)):
+        return kind
+    if parallel.world_size == 1:  # GroupOptions for a lone shard: the in-process runner, as "auto" would
+        from workers.engine import LocalExecutor
+
+        return LocalExecutor(model_dir, engine_config=engine_config, device=device)
+    if kind == "local":
+        raise ValueError(f"executor: 'local' runs one shard in this process; tp * dp = {parallel.world_size} "
+                         f"shards need a worker group ('auto' or 'ray')")
+    if isinstance(kind, str) and kind not in ("auto", "ray"):
+        raise ValueError(f"executor: unknown kind {kind!r} (auto | local | ray)")
+    options = kind if isinstance(kind, GroupOptions) else GroupOptions()
+    return GroupExecutor(model_dir, engine_config=engine_config, parallel=parallel, device=device, options=options)
+
+
+# ---- attention data parallel ---------------------------------------------------------------------------------
+
+class _Slot:
+    """One dp rank's part of a group step: the batch its core produced, then the result it waits for."""
+
+    def __init__(self) -> None:
+        self.batch: StepBatch | None = None
+        self.result: StepResult | None = None
+        self.error: BaseException | None = None
+        self.reached = threading.Event()  # the core deposited its batch, or finished its step without one
+        self.go = threading.Event()  # the group step is done: result (or error) is set
+
+
+class _DPRankExecutor:
+    """The executor a dp rank's engine core sees: `execute` deposits the batch for the group step and blocks
+    until `DPEngine.step` has run all dp ranks' batches together."""
+
+    def __init__(self, engine: DPEngine, dp_rank: int) -> None:
+        self.engine = engine
+        self.dp_rank = dp_rank
+
+    def info(self) -> dict:
+        return {**self.engine.group.rank_info[self.dp_rank * self.engine.parallel.tp],
+                "num_pages": self.engine.group.num_pages}
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        slot = self.engine._slots[self.dp_rank]
+        slot.batch = batch
+        slot.reached.set()
+        slot.go.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.result
+
+    def shutdown(self) -> None:
+        pass  # the group belongs to the DPEngine
+
+
+class DPEngine(Engine):
+    """An engine over dp attention-data-parallel ranks (see the module docstring); the `Engine` API.
+
+    Each dp rank has an ordinary `Engine` core (its own scheduler, page manager, requests) whose executor
+    hands the batch to this engine. A step runs each core's `step()` on its own thread, one after another,
+    until it hands over its batch (or returns: nothing to run); then one group step runs every batch; then each
+    core finishes its step (tokens, stops, outputs) in turn. Only one core's code runs at any time.
+    """
+
+    def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
+                 parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: str = "unified",
+                 executor=None, **unsupported) -> None:
+        if role != "unified":
+            raise NotImplementedError(f"role: {role!r} with dp={parallel.dp} (attention data parallel serves "
+                                      f"unified engines only so far)")
+        if unsupported:
+            raise NotImplementedError(f"{sorted(unsupported)[0]}: not supported with dp={parallel.dp}")
+        if executor == "local":
+            raise ValueError(f"executor: 'local' runs one shard in this process; dp={parallel.dp} needs a worker "
+                             f"group ('auto' or 'ray')")
+        options = executor if isinstance(executor, GroupOptions) else GroupOptions()
+        self.model_dir = Path(model_dir)
+        self.role = role
+        self.parallel = parallel
+        self.group = WorkerGroup(model_dir, engine_config=engine_config, parallel=parallel, device=device,
+                                 options=options)
+        self.executor = self.group
+        self._slots = [_Slot() for _ in range(parallel.dp)]
+        self._pool = ThreadPoolExecutor(max_workers=parallel.dp, thread_name_prefix="dp-core")
+        try:
+            self.cores = [Engine(model_dir, engine_config=engine_config, device=device,
+                                 executor=_DPRankExecutor(self, d)) for d in range(parallel.dp)]
+        except BaseException:
+            self.group.shutdown()
+            self._pool.shutdown()
+            raise
+        first = self.cores[0]
+        self.model_config = first.model_config
+        self.tokenizer = first.tokenizer
+        self.engine_config = first.engine_config
+        self.num_pages = first.num_pages  # per dp rank
+        self.page_size = first.page_size
+        self.eos_token_ids = first.eos_token_ids
+        self._owner: dict[str, int] = {}  # request id -> its dp rank, while in flight
+        self._step_stats: list[StepStats] = []
+        self.num_steps = 0
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.cores[0].validate_request(prompt_token_ids, params)
+
+    def least_loaded_rank(self) -> int:
+        """The dp rank with the fewest requests in flight (then the most free pages, then the lowest rank)."""
+        load = [0] * len(self.cores)
+        for d in self._owner.values():
+            load[d] += 1
+        return min(range(len(self.cores)), key=lambda d: (load[d], -self.cores[d].pages.num_free_pages, d))
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        d = self.least_loaded_rank()
+        self.cores[d].add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time)
+        self._owner[request_id] = d
+
+    def dp_rank_of(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        d = self._owner.pop(request_id, None)
+        return d is not None and self.cores[d].abort_request(request_id)
+
+    def abort_all(self) -> int:
+        n = sum(core.abort_all() for core in self.cores)
+        self._owner.clear()
+        return n
+
+    def has_unfinished(self) -> bool:
+        return any(core.has_unfinished() for core in self.cores)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        slots = self._slots = [_Slot() for _ in self.cores]
+        futures = []
+        for core, slot in zip(self.cores, slots):
+            futures.append(self._pool.submit(self._core_step, core, slot))
+            slot.reached.wait()  # one core at a time: the next starts once this one handed over or returned
+        batches = [s.batch for s in slots]
+        error: BaseException | None = None
+        results: list[StepResult | None] = [None] * len(slots)
+        t1 = time.perf_counter()
+        try:
+            results = self.group.execute(batches)
+        except BaseException as e:
+            error = e
+        t2 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for slot, result, fut in zip(slots, results, futures):
+            slot.result, slot.error = result, error
+            slot.go.set()
+            try:
+                outputs.extend(fut.result())  # a core's own error, or the group's it re-raised
+            except BaseException as e:  # every core must still finish its step before this one raises
+                error = error or e
+        if error is not None:
+            raise error
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        if any(b is not None for b in batches):
+            self._record_step(t0, t2 - t1, results)
+        return outputs
+
+    @staticmethod
+    def _core_step(core: Engine, slot: _Slot) -> list[RequestOutput]:
+        try:
+            return core.step()
+        finally:
+            slot.reached.set()
+
+    def _record_step(self, t0: float, group_time: float, results: list[StepResult | None]) -> None:
+        """One StepStats for the group step: token counts summed over dp ranks; the forward is the slowest dp
+        rank's (they run concurrently), everything else is host overhead."""
+        per_core = [core.pop_step_stats() for core in self.cores]
+        step_time = time.perf_counter() - t0
+        forward = max((r.forward_time for r in results if r is not None), default=0.0)
+        mine = [s[-1] for s in per_core if s]
+        self._step_stats.append(StepStats(
+            step_time=step_time, host_overhead=step_time - forward,
+            num_prefill_tokens=sum(s.num_prefill_tokens for s in mine),
+            num_decode_tokens=sum(s.num_decode_tokens for s in mine),
+            batch_size=sum(s.batch_size for s in mine), num_preemptions=sum(s.num_preemptions for s in mine)))
+        self.num_steps += 1
+
+    # ---- stats ------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Summed over dp ranks (pages: the pools of all dp ranks together)."""
+        parts = [core.stats() for core in self.cores]
+        summed = {f.name: sum(getattr(s, f.name) for s in parts)
+                  for f in dataclasses.fields(EngineStats) if f.name != "role"}
+        return EngineStats(role=self.role, **summed)
+
+    def pop_request_stats(self) -> list[RequestStats]:
+        return [s for core in self.cores for s in core.pop_request_stats()]
+
+    def pop_step_stats(self) -> list[StepStats]:
+        out, self._step_stats = self._step_stats, []
+        return out
+
+    def shutdown(self) -> None:
+        for core in self.cores:
+            core.shutdown()
+        self.group.shutdown()
+        self._pool.shutdown(wait=False)
