@@ -11,6 +11,7 @@ every rank joins it (`start`: `init_parallel`, then this rank's weight slices an
 """
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 from datetime import timedelta
@@ -47,6 +48,7 @@ class ShardWorker:
         self.runner: ModelRunner | None = None
         self._store = None
         self._listen_socket: socket.socket | None = None
+        self.num_calls = 0  # group steps this rank ran (one Ray call each)
         if self.parallel.world_size == 1:
             self.runner = ModelRunner(model_dir, engine_config=engine_config, device=device)
 
@@ -86,6 +88,8 @@ class ShardWorker:
         backend = "nccl" if str(device).startswith("cuda") else "gloo"
         if backend == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            _gloo_on_loopback(host)
         self.ctx = init_parallel(self.rank, p.world_size, tp=p.tp, ep=p.ep, dp=p.dp, store=store, backend=backend,
                                  moe_dispatch=self.moe_dispatch, timeout_s=self.collective_timeout_s, device=device)
         self.runner = ModelRunner(self.model_dir, engine_config=self.engine_config, device=device, ctx=self.ctx)
@@ -101,11 +105,13 @@ class ShardWorker:
     def execute_pickled(self, payload: bytes) -> StepResult | None:
         """A step whose batch the engine pickled once for every rank of the group. Only a sampling rank (tp
         rank 0) returns its result; the others return None (nothing the engine reads, nothing to send back)."""
+        self.num_calls += 1
         result = self.runner.execute(pickle.loads(payload))
         return result if self.runner.samples else None
 
-    def num_idle_forwards(self) -> int:
-        return self.runner.num_idle_forwards
+    def counters(self) -> dict:
+        """{"calls": group steps run, "idle_forwards": empty forwards run for lockstep peers} (tests)."""
+        return {"calls": self.num_calls, "idle_forwards": self.runner.num_idle_forwards}
 
     def ping(self) -> str:
         return "ok"
@@ -117,6 +123,16 @@ class ShardWorker:
         if self.ctx is not None:
             destroy_parallel(self.ctx)
             self.ctx = None
+
+
+def _gloo_on_loopback(host: str) -> None:
+    """A group met on a loopback address keeps its gloo connections there too (gloo otherwise binds the
+    address this host's name resolves to). An explicit GLOO_SOCKET_IFNAME wins."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not (host.startswith("127.") or host == "::1"):
+        return
+    names = [name for _i, name in socket.if_nameindex()]
+    if "lo" in names:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
 class RayExecutor:
