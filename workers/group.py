@@ -344,7 +344,8 @@ class DPEngine(Engine):
 
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: str = "unified",
-                 executor=None, **unsupported) -> None:
+                 executor=None, transfer=None, **unsupported) -> None:
+        # `transfer` (KV transfer settings) only matters to prefill/decode roles, refused below
         if role != "unified":
             raise NotImplementedError(f"role: {role!r} with dp={parallel.dp} (attention data parallel serves "
                                       f"unified engines only so far)")
