@@ -129,8 +129,8 @@ def _run_bench(serve_app, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-def _expected_buckets(name: str, stats: list) -> dict[str, int]:
-    """Cumulative bucket counts (le as Prometheus writes it) of histogram `name` for the engines' own stats."""
+def _expected_buckets(name: str, stats: list) -> dict[float, int]:
+    """Cumulative bucket counts by upper bound (inf included) of histogram `name` for the engines' own stats."""
     values = [v for s in stats for v in request_observations(s).get(name, [])]
     out = {math.inf: len(values)}
     for b in spec(name).buckets:
@@ -138,68 +138,102 @@ def _expected_buckets(name: str, stats: list) -> dict[str, int]:
     return out
 
 
+def _settled_baseline(app, prom: Prometheus) -> dict[Series, float]:
+    """One warm-up request, then the settled series. The warm-up makes every per-request series exist before
+    the bench (a series first seen after it would hide its first increments from rate()); once the router hands
+    back its stats, it and everything before it were recorded into the metrics."""
+    warm = app.client().completions.create(model=app.model, prompt=WARMUP_PROMPT, max_tokens=WARMUP_TOKENS,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    app.wait_idle()
+    _drain_until(app, want_id=f"{warm.id}-0")
+    return _wait_settled(prom, app.model, time.time())
+
+
+def _bench_and_drain(app, tmp_path, num_engine_stats: int) -> tuple[dict, list]:
+    """The bench's JSON result (checked: all requests complete with the asked lengths) and the engine stats of
+    its requests, drained through the router."""
+    result = _run_bench(app, tmp_path)
+    assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result["errors"]
+    assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
+    assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    app.wait_idle()
+    engine_stats = _drain_until(app, want=num_engine_stats)
+    assert len(engine_stats) == num_engine_stats, [s.request_id for s in engine_stats]
+    return result, engine_stats
+
+
+def _want_deltas(role: str, *, success: int, prompt_tokens: int, generation_tokens: int,
+                 engine_stats: list) -> dict[tuple, float]:
+    """Expected per-family deltas of one role: outcome and token counters, and every request histogram's
+    count and buckets exactly as the role's engines timed its requests."""
+    want: dict[tuple, float] = {
+        ("ray_m3serve_request_success_total", role, None, "length", None): success,
+        ("ray_m3serve_prompt_tokens_total", role, None, None, None): prompt_tokens,
+        ("ray_m3serve_generation_tokens_total", role, None, None, None): generation_tokens}
+    for name in REQUEST_HISTOGRAMS:
+        for le, count in _expected_buckets(name, engine_stats).items():
+            if count:
+                want[(spec(name).exported_name + "_bucket", role, le, None, None)] = count
+                if math.isinf(le):
+                    want[(spec(name).exported_name + "_count", role, None, None, None)] = count
+    return {k: v for k, v in want.items() if v}
+
+
+def _assert_deltas(prom: Prometheus, app, before: dict[Series, float], want: dict[tuple, float],
+                   roles: set[str]) -> None:
+    got, after = _wait_deltas(prom, app.model, before, want)
+    assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
+    assert _roles_moved(before, after) == roles
+    moved = [dict(s) for s, v in after.items() if v != before.get(s, 0.0)]
+    assert all(s["model_name"] == app.model and s["replica"].isdigit() for s in moved)
+
+
+def _assert_no_later_than_client(server_values: list[float], client_values: list[float]) -> None:
+    """Each server timing lacks the client's HTTP and Serve hops, so it is no later than its request's client
+    timing; hence the k-th smallest server value is at most the k-th smallest client value."""
+    server, client = sorted(server_values), sorted(client_values)
+    assert len(server) == len(client) and all(a <= b for a, b in zip(server, client)), (server, client)
+
+
+def _empty_dashboard_queries(prom: Prometheus, since: float) -> set[tuple[str, str]]:
+    """(panel, refId) of the dashboard queries without a finite value over a window reaching back to `since`
+    (a query error raises)."""
+    window = f"{int(time.time() - since) + 5}s"
+    return {(title, ref) for title, ref, expr in dashboard_queries(rate_interval=window)
+            if not has_finite_value(prom.query(expr))}
+
+
 def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_path):
     assert serve_app.metrics_port, "the session Ray instance exports no metrics port"
     t_start = time.time()
     with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
-        # A warm-up request makes every per-request series exist before the baseline (a series first seen
-        # after the bench would hide its first increments from rate()); once the router hands back its stats,
-        # it and everything before it were recorded into the metrics.
-        warm = serve_app.client().completions.create(model=serve_app.model, prompt=WARMUP_PROMPT,
-                                                     max_tokens=WARMUP_TOKENS, temperature=0,
-                                                     extra_body={"ignore_eos": True})
-        serve_app.wait_idle()
-        _drain_until(serve_app, want_id=f"{warm.id}-0")
-        before = _wait_settled(prom, serve_app.model, time.time())
+        before = _settled_baseline(serve_app, prom)
         assert prom.target_health() == ["up"]
-
-        result = _run_bench(serve_app, tmp_path)
-        assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result["errors"]
-        assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
-        assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
-        serve_app.wait_idle()
-        engine_stats = _drain_until(serve_app, want=NUM_PROMPTS)
-        assert len(engine_stats) == NUM_PROMPTS, [s.request_id for s in engine_stats]
+        result, engine_stats = _bench_and_drain(serve_app, tmp_path, NUM_PROMPTS)
         assert {(s.prompt_tokens, s.generation_tokens, s.finished_reason) for s in engine_stats} == {
             (INPUT_LEN, OUTPUT_LEN, "length")}
 
-        # What the bench client sent, counted by the server exactly once each.
+        # What the bench client sent, counted by the server exactly once each; histograms as the engines timed.
         n, n_in, n_out = result["completed"], result["total_input_tokens"], result["total_output_tokens"]
-        want = {("ray_m3serve_request_success_total", "unified", None, "length", None): n,
-                ("ray_m3serve_prompt_tokens_total", "unified", None, None, None): n_in,
-                ("ray_m3serve_generation_tokens_total", "unified", None, None, None): n_out}
-        per_request = {name: n for name in REQUEST_HISTOGRAMS}
-        per_request["inter_token_latency_seconds"] = n_out - n  # one gap per token after the first
-        for name, count in per_request.items():
-            want[(spec(name).exported_name + "_count", "unified", None, None, None)] = count
-        # Buckets: exactly the engines' own timings, bucket by bucket.
+        want = _want_deltas("unified", success=n, prompt_tokens=n_in, generation_tokens=n_out,
+                            engine_stats=engine_stats)
+        # independent of the engines' timings: one observation per request, one ITL per token after the first
         for name in REQUEST_HISTOGRAMS:
-            for le, count in _expected_buckets(name, engine_stats).items():
-                if count:
-                    want[(spec(name).exported_name + "_bucket", "unified", le, None, None)] = count
-        got, after = _wait_deltas(prom, serve_app.model, before, want)
-        assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
-        assert _roles_moved(before, after) == {"unified"}
-        moved = [dict(s) for s, v in after.items() if v != before.get(s, 0.0)]
-        assert all(s["model_name"] == serve_app.model and s["replica"].isdigit() for s in moved)
-
-        # The server's timings lack the client's HTTP and Serve hops: each is no later than the client's, so
-        # the k-th smallest server value is at most the k-th smallest client value.
+            assert want[(spec(name).exported_name + "_count", "unified", None, None, None)] == (
+                n_out - n if name == "inter_token_latency_seconds" else n), name
+        _assert_deltas(prom, serve_app, before, want, {"unified"})
         detail = [r for r in result["requests"] if r["success"]]
-        for server, client in ((sorted(s.ttft for s in engine_stats), sorted(r["ttft_s"] for r in detail)),
-                               (sorted(s.e2e_latency for s in engine_stats), sorted(r["e2e_s"] for r in detail))):
-            assert all(a <= b for a, b in zip(server, client)), (server, client)
+        _assert_no_later_than_client([s.ttft for s in engine_stats], [r["ttft_s"] for r in detail])
+        _assert_no_later_than_client([s.e2e_latency for s in engine_stats], [r["e2e_s"] for r in detail])
 
-        # Every dashboard query answers over a window that spans the bench.
-        window = f"{int(time.time() - t_start) + 5}s"
-        empty = []
-        for title, ref, expr in dashboard_queries(rate_interval=window):
-            res = prom.query(expr)  # raises on a query error
-            if not has_finite_value(res):
-                empty.append((title, ref))
+        # Every dashboard query answers, but for KV transfer latency: there are no transfers without
+        # disaggregation.
         transfer_only = {(t, r) for t, r, e in dashboard_queries() if TRANSFER_ONLY in e}
-        assert set(empty) == transfer_only, empty
+        assert transfer_only and _empty_dashboard_queries(prom, t_start) == transfer_only
         # and the recording rules evaluate on these series
         p50 = prom.wait_until(f'm3serve:ttft_seconds:p50{{model_name="{serve_app.model}",role="unified"}}',
                               lambda v: v is not None and math.isfinite(v), timeout_s=15)
-        assert 0 < p50 <= max(r["ttft_s"] for r in detail) * 2
+        # interpolated inside a bucket: at most the bound of the bucket holding the slowest client TTFT
+        slowest = max(r["ttft_s"] for r in detail)
+        bound = min(b for b in spec("time_to_first_token_seconds").buckets if b >= slowest)
+        assert 0 < p50 <= bound
