@@ -100,18 +100,17 @@ def _wait_deltas(prom: Prometheus, model: str, before: dict[Series, float], want
         time.sleep(0.5)
 
 
-def _drain_until(serve_app, want: int | None = None, want_id: str | None = None, timeout_s: float = 20.0) -> list:
-    """Finished-request stats drained through the router until `want` arrived (or `want_id` is among them).
-    The reporter recorded each one into the metrics before keeping it for this drain."""
+def _drain_until(pop, done, timeout_s: float = 20.0) -> list:
+    """Finished-request stats drained through a router (`pop()`) until `done(stats so far)`. The reporter
+    recorded each one into the metrics before keeping it for this drain."""
     got = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got += serve_app.pop_request_stats()
-        if (want is not None and len(got) >= want) or (want_id is not None and
-                                                        any(s.request_id == want_id for s in got)):
+        got += pop()
+        if done(got):
             return got
         time.sleep(0.2)
-    raise TimeoutError(f"drained {len(got)} request stats, wanted {want or want_id}")
+    raise TimeoutError(f"drained {[(s.request_id, s.role) for s in got]}; not done")
 
 
 def _run_bench(serve_app, tmp_path) -> dict:
@@ -138,44 +137,45 @@ def _expected_buckets(name: str, stats: list) -> dict[float, int]:
     return out
 
 
-def _settled_baseline(app, prom: Prometheus) -> dict[Series, float]:
+def _settled_baseline(app, prom: Prometheus, pop, roles: set[str]) -> dict[Series, float]:
     """One warm-up request, then the settled series. The warm-up makes every per-request series exist before
     the bench (a series first seen after it would hide its first increments from rate()); once the router hands
-    back its stats, it and everything before it were recorded into the metrics."""
+    back its stats from every role, it and everything before it were recorded into the metrics."""
     warm = app.client().completions.create(model=app.model, prompt=WARMUP_PROMPT, max_tokens=WARMUP_TOKENS,
                                            temperature=0, extra_body={"ignore_eos": True})
     app.wait_idle()
-    _drain_until(app, want_id=f"{warm.id}-0")
+    _drain_until(pop, lambda got: {s.role for s in got if s.request_id.startswith(warm.id)} >= roles)
     return _wait_settled(prom, app.model, time.time())
 
 
-def _bench_and_drain(app, tmp_path, num_engine_stats: int) -> tuple[dict, list]:
-    """The bench's JSON result (checked: all requests complete with the asked lengths) and the engine stats of
-    its requests, drained through the router."""
+def _bench_and_drain(app, tmp_path, pop, roles: set[str]) -> tuple[dict, dict[str, list]]:
+    """The bench's JSON result (checked: all requests complete with the asked lengths) and, by role, the engine
+    stats of its requests drained through the router."""
     result = _run_bench(app, tmp_path)
     assert (result["completed"], result["failed"]) == (NUM_PROMPTS, 0), result["errors"]
     assert result["total_input_tokens"] == NUM_PROMPTS * INPUT_LEN
     assert result["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     app.wait_idle()
-    engine_stats = _drain_until(app, want=num_engine_stats)
-    assert len(engine_stats) == num_engine_stats, [s.request_id for s in engine_stats]
-    return result, engine_stats
+    got = _drain_until(pop, lambda got: all(sum(s.role == r for s in got) >= NUM_PROMPTS for r in roles))
+    by_role = {r: [s for s in got if s.role == r] for r in roles}
+    assert {r: len(v) for r, v in by_role.items()} == {r: NUM_PROMPTS for r in roles}, got
+    return result, by_role
 
 
-def _want_deltas(role: str, *, success: int, prompt_tokens: int, generation_tokens: int,
-                 engine_stats: list) -> dict[tuple, float]:
-    """Expected per-family deltas of one role: outcome and token counters, and every request histogram's
-    count and buckets exactly as the role's engines timed its requests."""
-    want: dict[tuple, float] = {
-        ("ray_m3serve_request_success_total", role, None, "length", None): success,
-        ("ray_m3serve_prompt_tokens_total", role, None, None, None): prompt_tokens,
-        ("ray_m3serve_generation_tokens_total", role, None, None, None): generation_tokens}
+def _want_deltas(role: str, stats: list) -> dict[tuple, float]:
+    """Expected per-family deltas of one role from its engines' stats of the bench's requests: outcome and token
+    counters, and every request histogram's count and buckets exactly as the engines timed the requests."""
+    want: dict[tuple, float] = defaultdict(float)
+    for s in stats:
+        assert s.role == role and s.failure_reason is None, s
+        want[("ray_m3serve_request_success_total", role, None, s.finished_reason, None)] += 1
+        want[("ray_m3serve_prompt_tokens_total", role, None, None, None)] += s.prompt_tokens
+        want[("ray_m3serve_generation_tokens_total", role, None, None, None)] += s.generation_tokens
     for name in REQUEST_HISTOGRAMS:
-        for le, count in _expected_buckets(name, engine_stats).items():
-            if count:
-                want[(spec(name).exported_name + "_bucket", role, le, None, None)] = count
-                if math.isinf(le):
-                    want[(spec(name).exported_name + "_count", role, None, None, None)] = count
+        for le, count in _expected_buckets(name, stats).items():
+            want[(spec(name).exported_name + "_bucket", role, le, None, None)] = count
+            if math.isinf(le):
+                want[(spec(name).exported_name + "_count", role, None, None, None)] = count
     return {k: v for k, v in want.items() if v}
 
 
@@ -206,25 +206,27 @@ def _empty_dashboard_queries(prom: Prometheus, since: float) -> set[tuple[str, s
 def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_path):
     assert serve_app.metrics_port, "the session Ray instance exports no metrics port"
     t_start = time.time()
+    pop = serve_app.pop_request_stats
     with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
-        before = _settled_baseline(serve_app, prom)
+        before = _settled_baseline(serve_app, prom, pop, {"unified"})
         assert prom.target_health() == ["up"]
-        result, engine_stats = _bench_and_drain(serve_app, tmp_path, NUM_PROMPTS)
-        assert {(s.prompt_tokens, s.generation_tokens, s.finished_reason) for s in engine_stats} == {
-            (INPUT_LEN, OUTPUT_LEN, "length")}
+        result, by_role = _bench_and_drain(serve_app, tmp_path, pop, {"unified"})
+        stats = by_role["unified"]
 
         # What the bench client sent, counted by the server exactly once each; histograms as the engines timed.
         n, n_in, n_out = result["completed"], result["total_input_tokens"], result["total_output_tokens"]
-        want = _want_deltas("unified", success=n, prompt_tokens=n_in, generation_tokens=n_out,
-                            engine_stats=engine_stats)
-        # independent of the engines' timings: one observation per request, one ITL per token after the first
+        want = _want_deltas("unified", stats)
+        assert want[("ray_m3serve_request_success_total", "unified", None, "length", None)] == n
+        assert want[("ray_m3serve_prompt_tokens_total", "unified", None, None, None)] == n_in
+        assert want[("ray_m3serve_generation_tokens_total", "unified", None, None, None)] == n_out
+        # one observation per request, one ITL per token after the first
         for name in REQUEST_HISTOGRAMS:
             assert want[(spec(name).exported_name + "_count", "unified", None, None, None)] == (
                 n_out - n if name == "inter_token_latency_seconds" else n), name
         _assert_deltas(prom, serve_app, before, want, {"unified"})
         detail = [r for r in result["requests"] if r["success"]]
-        _assert_no_later_than_client([s.ttft for s in engine_stats], [r["ttft_s"] for r in detail])
-        _assert_no_later_than_client([s.e2e_latency for s in engine_stats], [r["e2e_s"] for r in detail])
+        _assert_no_later_than_client([s.ttft for s in stats], [r["ttft_s"] for r in detail])
+        _assert_no_later_than_client([s.e2e_latency for s in stats], [r["e2e_s"] for r in detail])
 
         # Every dashboard query answers, but for KV transfer latency: there are no transfers without
         # disaggregation.
