@@ -44,6 +44,8 @@ import torch  # noqa: E402
 
 CONFIGS = {  # name -> (tp, ep, dp, moe_dispatch)
     "single": (1, 1, 1, "alltoall"),
+    # one device in fp32: the truth that sizes bf16's own rounding error (equality only, not timed)
+    "single-fp32": (1, 1, 1, "alltoall"),
     "tp2": (2, 1, 1, "alltoall"),
     "ep2": (2, 2, 1, "alltoall"),
     "ep2-allreduce": (2, 2, 1, "allreduce"),
@@ -214,6 +216,8 @@ def rank_main(args, name: str, rank: int, port: int, work: str) -> None:
                         moe_dispatch=mode, device=device, timeout_s=args.timeout)
     try:
         cfg, dtype = model_config(args)
+        if name.endswith("-fp32"):
+            dtype = torch.float32
         t0 = time.perf_counter()
         seed = args.seed if name == "single" or args.seed_sharded is None else args.seed_sharded
         model = build_random_model(cfg, ctx, dtype, device, seed)
@@ -226,7 +230,8 @@ def rank_main(args, name: str, rank: int, port: int, work: str) -> None:
         per = len(prompts) // dp
         requests = list(range(ctx.dp_rank * per, (ctx.dp_rank + 1) * per))
         logits, tokens = equality_run(model, cfg, requests, prompts, teacher, args.eq_steps, device)
-        timing = {b: decode_timing(model, cfg, ctx, b, args, device) for b in args.batches}
+        batches = [] if name.endswith("-fp32") else args.batches
+        timing = {b: decode_timing(model, cfg, ctx, b, args, device) for b in batches}
         if ctx.tp_rank == 0:
             mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             torch.save({"requests": requests, "logits": logits, "tokens": tokens, "timing": timing,
@@ -298,13 +303,26 @@ def main(argv=None) -> int:
                     break
     rows = []
     ref = results.get("single")
+    truth = results.get("single-fp32")
+    # With an fp32 truth, a sharded bf16 run is "equal" when it is as close to the truth as one bf16 device is
+    # (bf16 rounding differs with the reduction order, so sharded and single bf16 differ by about that much).
+    single_err = compare(ref, truth) if truth is not None and ref is not None else None
     for name, res in results.items():
         tp, ep, dp, mode = CONFIGS[name]
         eq = compare(res, ref) if name != "single" else None
-        ok = eq is None or (eq["max_rel_diff"] <= tol and eq["argmax_agreement"] >= (1.0 if tol < 1e-3 else 0.9))
+        res_err = compare(res, truth) if truth is not None and not name.endswith("-fp32") else None
+        if name in ("single", "single-fp32"):
+            ok = True
+        elif single_err is not None and dtype != torch.float32:
+            ok = (res_err["median_row_rel_diff"] <= 2 * single_err["median_row_rel_diff"]
+                  and res_err["argmax_agreement"] >= single_err["argmax_agreement"] - 0.1)
+        else:
+            ok = eq["max_rel_diff"] <= tol and eq["argmax_agreement"] >= (1.0 if tol < 1e-3 else 0.9)
         if not ok:
-            failures.append(f"{name}: not equal to one device: {eq}")
+            failures.append(f"{name}: not equal to one device: {eq} (vs fp32: {res_err}, single vs fp32: "
+                            f"{single_err})")
         rows.append({"config": name, "tp": tp, "ep": ep, "dp": dp, "moe_dispatch": mode, "equality": eq,
+                     "vs_fp32": res_err,
                      "equal": ok, "build_s": res["build_s"], "max_memory_allocated": res["max_memory_allocated"],
                      "decode_ms": {str(b): statistics.median(t) * 1e3 for b, t in res["timing"].items()}})
     meta = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -316,14 +334,16 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "bench_parallel.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "failures": failures}, f, indent=1)
     print(json.dumps(meta))
-    head = f"{'config':<14} {'equal':<6} {'max rel':>9} {'argmax':>7} " + " ".join(
+    head = f"{'config':<14} {'equal':<6} {'max rel':>9} {'argmax':>7} {'med/fp32':>9} {'arg/fp32':>8} " + " ".join(
         f"{'B=' + str(b) + ' ms':>10}" for b in args.batches)
     print(head)
     for r in rows:
         eq = r["equality"]
         print(f"{r['config']:<14} {str(r['equal']):<6} {(eq['max_rel_diff'] if eq else 0):>9.2e} "
               f"{(eq['argmax_agreement'] if eq else 1):>7.3f} "
-              + " ".join(f"{r['decode_ms'][str(b)]:>10.2f}" for b in args.batches))
+              f"{(r['vs_fp32']['median_row_rel_diff'] if r['vs_fp32'] else 0):>9.2e} "
+              f"{(r['vs_fp32']['argmax_agreement'] if r['vs_fp32'] else 1):>8.3f} "
+              + " ".join(f"{r['decode_ms'].get(str(b), float('nan')):>10.2f}" for b in args.batches))
     for f in failures:
         print("FAILED", f)
     return 1 if failures else 0
