@@ -6,7 +6,8 @@ Used by `m3serve serve`, by `serve run deploy.app:build_app ...`, by Ray Serve c
 `{"overrides": {...}}` applied on top (nested keys merge).
 
 Graph: Ingress (HTTP, tokenization) -> Router (replica choice) -> EngineServer-<role>-<i> (one deployment per
-engine replica, so the router can address each one).
+engine replica, so the router can address each one). Roles: `unified`, or `prefill` + `decode` with
+`disaggregate: true` (the router moves each request's KV from a prefill replica to a decode replica).
 """
 from __future__ import annotations
 
@@ -71,8 +72,6 @@ def engine_options(config: ServeConfig, role: str, index: int) -> dict[str, Any]
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The Serve application for `args` (see the module docstring)."""
     config = config_from_args(args)
-    if config.disaggregate:
-        raise ConfigError("disaggregate: prefill/decode disaggregation is not available in this build yet")
     model_dir = str(resolve_model_dir(config))
     model_name = model_name_for(config, model_dir)
     engines = {

@@ -5,19 +5,32 @@ address a replica by name: disaggregation needs exactly that (prefill on replica
 replica B). Load: the requests this router has in flight on each replica (exact, updated at once), tie-broken
 by the queue the replica last reported (polled at most every `STATS_TTL_S`), then by which was used least
 recently, so equal replicas take turns even when requests arrive one at a time.
+
+Disaggregated (docs/disaggregation.md), per request: pick a prefill replica (load, queue) and a decode replica
+(load, free pages); the decode replica admits the request and reserves its pages first (a full one passes to
+the next; none left = 503 `kv_capacity`); the prefill replica runs the prompt, streams the first token (sent
+to the client at once) and sends the KV into those pages; when it reports the transfer done, the decode
+replica streams the rest. A failed transfer frees the pages on both sides and ends the request with 503
+`kv_transfer_failed` (or, with `transfer.retry_prefill`, runs the prefill once more under a new transfer id and
+keeps the first token). The KV pairs between every (prefill, decode) replica pair are opened by this router
+(decode listens, prefill connects) before the first request; a pair that broke is replaced by a new
+generation. Group names carry this router's id, so several routers never share (or tear down) a pair.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from typing import AsyncIterator
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deploy.config import ServeConfig
-from deploy.protocol import EngineError, EngineEvent, EngineRequest
+from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest
+from deploy.server import FirstToken, TransferOutcome
 from workers.stats import EngineStats
 
 logger = logging.getLogger("m3serve.router")
@@ -25,6 +38,9 @@ logger = logging.getLogger("m3serve.router")
 STATS_TTL_S = 0.5
 
 ReplicaKey = tuple[str, int]  # (role, index)
+PairKey = tuple[ReplicaKey, ReplicaKey]  # (prefill replica, decode replica)
+FAULT_KINDS = ("pause_before_decode",)  # router-side faults for tests (transfer faults live on prefill replicas)
+PAUSE_S = 120.0
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -41,6 +57,13 @@ class Router:
         self._counters: dict[ReplicaKey, dict] = {}
         self._stats_time = 0.0
         self._refreshing: asyncio.Task | None = None
+        # disaggregation
+        self._id = uuid.uuid4().hex[:6]
+        self._pairs: dict[PairKey, int] = {}  # open pair generation per (prefill, decode) replica pair
+        self._pair_lock: asyncio.Lock | None = None
+        self._touched: dict[str, list[tuple[ReplicaKey, str]]] = {}  # request id -> (replica, engine id) to abort
+        self._faults: dict[str, str] = {}
+        self._retry_prefill = config.transfer.retry_prefill
 
     # -- choosing replicas ----------------------------------------------------------------------------------
     def _candidates(self, role: str) -> list[ReplicaKey]:
@@ -77,11 +100,10 @@ class Router:
 
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
-        """Stream a request's events from the replica chosen for it."""
+        """Stream a request's events from the replica chosen for it (prefill then decode when disaggregated)."""
         if self._config.disaggregate:
-            # The prefill -> KV transfer -> decode protocol lands with the disaggregation issue.
-            yield EngineError(status=501, message="disaggregated serving is not available in this build",
-                              code="not_implemented")
+            async for event in self._generate_disaggregated(req):
+                yield event
             return
         key = self._pick("unified")
         self._inflight[key] += 1
@@ -99,9 +121,194 @@ class Router:
                 stream.cancel()
 
     async def abort(self, request_id: str) -> None:
+        touched = self._touched.get(request_id)
+        if touched is not None:
+            await asyncio.gather(*(self._engines[k].abort.remote(eid) for k, eid in touched), return_exceptions=True)
+            return
         key = self._where.get(request_id)
         targets = [self._engines[key]] if key else list(self._engines.values())
         await asyncio.gather(*(h.abort.remote(request_id) for h in targets), return_exceptions=True)
+
+    # -- disaggregation -------------------------------------------------------------------------------------
+    def _group(self, key: ReplicaKey, gen: int) -> str:
+        """The name one side of a pair knows the other replica's shards by."""
+        return f"{key[0]}-{key[1]}#{self._id}.{gen}"
+
+    async def _ensure_pairs(self) -> None:
+        """Open the KV pairs of every (prefill, decode) replica pair that has none yet."""
+        want = [(p, d) for p in self._candidates("prefill") for d in self._candidates("decode")]
+        if all(k in self._pairs for k in want):
+            return
+        if self._pair_lock is None:
+            self._pair_lock = asyncio.Lock()
+        async with self._pair_lock:
+            missing = [k for k in want if k not in self._pairs]
+            await asyncio.gather(*(self._open_pair(p, d, 0) for p, d in missing))
+
+    async def _open_pair(self, p: ReplicaKey, d: ReplicaKey, gen: int) -> None:
+        listened = await self._engines[d].kv_listen.remote(self._group(p, gen), self._config.prefill.tp)
+        await self._engines[p].kv_connect.remote(self._group(d, gen), listened)
+        self._pairs[(p, d)] = gen
+        logger.info("KV pair %s -> %s open (generation %d)", p, d, gen)
+
+    async def _repair(self, p: ReplicaKey, d: ReplicaKey) -> None:
+        """After a failed transfer: if either end of the pair broke, open the next generation, drop the old."""
+        gen = self._pairs.get((p, d))
+        if gen is None:
+            return
+        broken = await asyncio.gather(self._engines[p].kv_broken.remote(self._group(d, gen)),
+                                      self._engines[d].kv_broken.remote(self._group(p, gen)),
+                                      return_exceptions=True)
+        if not any(broken):
+            return  # refused or aborted transfer: the pair is still in step
+        async with self._pair_lock:
+            if self._pairs.get((p, d)) != gen:
+                return  # someone repaired it already
+            logger.warning("KV pair %s -> %s broken (%s); opening generation %d", p, d, broken, gen + 1)
+            await self._open_pair(p, d, gen + 1)
+            await asyncio.gather(self._engines[p].kv_drop.remote(self._group(d, gen)),
+                                 self._engines[d].kv_drop.remote(self._group(p, gen)), return_exceptions=True)
+
+    def _pick_decode_order(self) -> list[ReplicaKey]:
+        """Decode replicas, best first: fewest requests in flight from here, then most free pages."""
+        self._maybe_refresh_stats()
+
+        def load(key: ReplicaKey) -> tuple[int, int, int]:
+            stats = self._stats.get(key)
+            return self._inflight[key], -(stats.num_pages_free if stats else 0), self._last_used[key]
+
+        order = sorted(self._candidates("decode"), key=load)
+        self._picks += 1
+        self._last_used[order[0]] = self._picks
+        return order
+
+    async def _admit(self, req: EngineRequest, p: ReplicaKey) -> ReplicaKey | EngineError:
+        """Reserve the request's pages on the first decode replica with room."""
+        full = None
+        for d in self._pick_decode_order():
+            try:
+                res = await self._engines[d].admit.remote(req, self._group(p, self._pairs[(p, d)]), req.request_id)
+            except Exception as e:  # that replica is gone: try the next
+                full = EngineError(status=503, message=f"decode replica {d[1]} unreachable ({type(e).__name__})",
+                                   code="engine_unavailable", retry_after=1.0)
+                continue
+            if not isinstance(res, EngineError):
+                return d
+            if res.code != "kv_capacity":
+                return res
+            full = res
+        if full is not None and full.code == "kv_capacity":
+            return EngineError(status=503, code="kv_capacity", retry_after=full.retry_after,
+                               message=f"no decode replica has room for this request's KV pages now ({full.message})")
+        return full or EngineError(status=503, message="no decode replica", code="engine_unavailable")
+
+    async def _generate_disaggregated(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
+        rid = req.request_id
+        if req.params.n != 1:
+            yield EngineError(status=400, param="n",
+                              message=f"n: disaggregated serving runs one sample per request, got n={req.params.n}")
+            return
+        try:
+            await self._ensure_pairs()
+        except Exception as e:
+            logger.exception("opening KV pairs failed")
+            yield EngineError(status=503, message=f"KV transfer pairs could not be opened: {e}",
+                              code="kv_transfer_unavailable", retry_after=5.0)
+            return
+        touched: list[tuple[ReplicaKey, str]] = []
+        self._touched[rid] = touched
+        busy: list[ReplicaKey] = []  # in-flight counts to give back
+        streams: list = []
+        first: EngineChunk | None = None
+        done = False
+        try:
+            attempts = 2 if self._retry_prefill else 1
+            for attempt in range(attempts):
+                sub = req if attempt == 0 else dataclasses.replace(req, request_id=f"{rid}#retry{attempt}")
+                tid = sub.request_id
+                p = self._pick("prefill")
+                d = await self._admit(sub, p)
+                if isinstance(d, EngineError):
+                    done = True
+                    yield d
+                    return
+                touched.append((d, tid))
+                self._inflight[d] += 1
+                busy.append(d)
+                touched.append((p, tid))
+                self._inflight[p] += 1
+                busy.append(p)
+                pstream = self._engines[p].options(stream=True).prefill.remote(sub, self._group(d, self._pairs[(p, d)]),
+                                                                               tid)
+                streams.append(pstream)
+                event = await _next_event(pstream, f"prefill replica {p[1]}")
+                if isinstance(event, EngineError):
+                    await self._abort_on(d, tid)
+                    done = True
+                    yield event
+                    return
+                if first is None:
+                    first = event
+                    if event.finished:  # the first token ended it: nothing to decode
+                        await self._abort_on(d, tid)
+                        done = True
+                        yield event
+                        return
+                    yield event  # the client gets the first token now, while the KV travels
+                outcome = await _next_event(pstream, f"prefill replica {p[1]}")
+                self._inflight[p] -= 1
+                busy.remove(p)
+                if isinstance(outcome, TransferOutcome) and outcome.ok:
+                    break
+                why = outcome.reason if isinstance(outcome, TransferOutcome) else getattr(outcome, "message", outcome)
+                logger.warning("request %s: KV transfer %s -> %s failed: %s", rid, p, d, why)
+                await self._abort_on(d, tid)
+                await self._repair(p, d)
+                if attempt + 1 < attempts:
+                    continue
+                done = True
+                yield EngineError(status=503, message=f"the KV transfer to the decode replica failed: {why}",
+                                  code="kv_transfer_failed", retry_after=1.0)
+                return
+            if self._faults.get(rid) == "pause_before_decode":
+                await asyncio.sleep(PAUSE_S)  # tests: a client gone between prefill and decode
+            sample = first.samples[0]
+            token = FirstToken(token_id=sample.token_ids[0], text_len=len(sample.text),
+                               logprobs=sample.logprobs[0] if sample.logprobs else None)
+            dstream = self._engines[d].options(stream=True).decode.remote(sub, token)
+            streams.append(dstream)
+            async for event in dstream:
+                if isinstance(event, EngineError) or event.finished:
+                    done = True
+                yield event
+            done = True
+        finally:
+            for key in busy:
+                self._inflight[key] -= 1
+            self._touched.pop(rid, None)
+            if not done:  # cancelled (client gone) or failed: both sides let go of the request's pages
+                for s in streams:
+                    s.cancel()
+                await asyncio.gather(*(self._abort_on(k, eid) for k, eid in touched), return_exceptions=True)
+
+    async def _abort_on(self, key: ReplicaKey, engine_request_id: str) -> None:
+        try:
+            await self._engines[key].abort.remote(engine_request_id)
+        except Exception:  # the replica is gone: its pages went with it
+            logger.warning("abort of %s on %s failed", engine_request_id, key)
+
+    async def inject_faults(self, faults: dict[str, str], retry_prefill: bool | None = None) -> None:
+        """Tests and drills: router-side faults by request id (`pause_before_decode`), and the retry switch."""
+        bad = {k: v for k, v in faults.items() if v not in FAULT_KINDS}
+        if bad:
+            raise ValueError(f"faults: unknown kinds {bad}; known {FAULT_KINDS}")
+        self._faults = dict(faults)
+        if retry_prefill is not None:
+            self._retry_prefill = retry_prefill
+
+    async def pairs(self) -> dict[str, int]:
+        """Open KV pairs: 'prefill-i->decode-j' -> generation."""
+        return {f"{p[0]}-{p[1]}->{d[0]}-{d[1]}": g for (p, d), g in self._pairs.items()}
 
     # -- state ----------------------------------------------------------------------------------------------
     async def ready(self) -> dict:
@@ -114,7 +321,14 @@ class Router:
                 res = {"role": role, "replica": idx, "state": "unreachable", "ready": False,
                        "error": type(res).__name__}
             engines.append(res)
-        return {"ready": all(e["ready"] for e in engines), "engines": engines}
+        ready = all(e["ready"] for e in engines)
+        if ready and self._config.disaggregate:
+            try:
+                await self._ensure_pairs()
+            except Exception as e:
+                logger.exception("opening KV pairs failed")
+                return {"ready": False, "engines": engines, "error": f"KV pairs: {e}"}
+        return {"ready": ready, "engines": engines}
 
     async def stats(self) -> list[dict]:
         """Fresh stats of every replica: `[{"role", "replica", "stats": EngineStats, "counters", "inflight"}]`."""
@@ -129,3 +343,16 @@ class Router:
         results = await asyncio.gather(*(self._engines[k].pop_request_stats.remote() for k in keys),
                                        return_exceptions=True)
         return [s for res in results if not isinstance(res, BaseException) for s in res]
+
+
+async def _next_event(stream, what: str):
+    """The next event of a replica's stream; its end or a transport failure becomes an EngineError."""
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return EngineError(status=500, message=f"{what} ended the request without a result", code="internal_error")
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # the replica died
+        return EngineError(status=503, message=f"{what} failed ({type(e).__name__}: {e})", code="engine_unavailable",
+                           retry_after=1.0)

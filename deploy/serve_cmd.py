@@ -38,6 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", help="require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
     add("--address", help="join this Ray cluster instead of starting a local one (e.g. auto, 10.0.0.1:6379)")
     add("--num-cpus", type=float, help="CPUs of the local Ray instance (default: all)")
+    pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    pd.add_argument("--disaggregate", action="store_true", default=None,
+                    help="run prompts on prefill replicas and move their KV pages to decode replicas")
+    for role in ("prefill", "decode"):
+        pd.add_argument(f"--{role}-replicas", type=int, help=f"{role} engine replicas")
+        for axis in ("tp", "ep", "dp"):
+            pd.add_argument(f"--{role}-{axis}", type=int, help=f"{axis} size of each {role} replica")
+    pd.add_argument("--transfer-timeout", type=float, help="seconds one KV transfer may take before it fails")
+    pd.add_argument("--transfer-lease", type=float,
+                    help="seconds after which pages held for a transfer that nobody settles are freed")
+    pd.add_argument("--retry-prefill", action="store_true", default=None,
+                    help="run the prefill once more when its KV transfer fails (instead of a 503)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -66,6 +78,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     put("engine.max_model_len", args.max_model_len)
     put("engine.max_num_seqs", args.max_num_seqs)
     put("engine.max_waiting", args.max_waiting)
+    put("disaggregate", getattr(args, "disaggregate", None))
+    for role in ("prefill", "decode"):
+        put(f"{role}.replicas", getattr(args, f"{role}_replicas", None))
+        for axis in ("tp", "ep", "dp"):
+            put(f"{role}.{axis}", getattr(args, f"{role}_{axis}", None))
+    put("transfer.timeout_s", getattr(args, "transfer_timeout", None))
+    put("transfer.lease_s", getattr(args, "transfer_lease", None))
+    put("transfer.retry_prefill", getattr(args, "retry_prefill", None))
     return out
 
 

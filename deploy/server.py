@@ -5,12 +5,19 @@ weights are in; the ingress answers 503 until every engine is ready (and keeps a
 if a load failed). `generate` turns the engine's cumulative outputs into deltas, so what crosses the Serve hop per
 step is the new tokens only, and turns refusals (bad request, queue full) into `EngineError` events instead of
 exceptions: an exception crossing Ray loses its type in ways the ingress should not have to guess at.
+
+Roles (docs/disaggregation.md): a `unified` replica serves `generate`. A `prefill` replica serves `prefill`:
+the first token (as an `EngineChunk`), then a `TransferOutcome` once the request's KV reached the decode
+replica. A `decode` replica serves `admit` (reserve pages; refusal = an `EngineError`) and then `decode`
+(the stream after the first token). The router opens the KV pairs through `kv_listen` / `kv_connect`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -25,6 +32,35 @@ from workers.stats import EngineStats, RequestStats
 logger = logging.getLogger("m3serve.server")
 
 RETRY_AFTER_QUEUE_FULL_S = 1.0
+RETRY_AFTER_KV_S = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferOutcome:
+    """Prefill replica -> router: the handed-off request's KV reached the decode replica (ok) or not (why)."""
+
+    ok: bool
+    reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FirstToken:
+    """Router -> decode replica: what prefill sampled and what the client already got of it."""
+
+    token_id: int
+    logprobs: dict[int, float] | None = None
+    text_len: int = 0  # characters of text already streamed (prefill's visible text after the first token)
+
+
+def engine_transfer_config(config: ServeConfig):
+    """The engines' transfer knobs from the serve config (timeouts, lease)."""
+    from workers.transfer import TransferConfig as EngineTransferConfig
+
+    t = config.transfer
+    # a prepared receive waits for prefill queueing + compute: the lease bounds that too
+    return EngineTransferConfig(timeout_s=t.timeout_s, lease_s=t.lease_s,
+                                receive_timeout_s=max(t.lease_s, t.timeout_s),
+                                connect_timeout_s=max(30.0, t.timeout_s))
 
 
 def resolve_model_dir(config: ServeConfig) -> Path:
@@ -42,11 +78,13 @@ def resolve_model_dir(config: ServeConfig) -> Path:
 class _DeltaTracker:
     """Remembers what was already sent per sample, to turn cumulative `RequestOutput`s into `EngineChunk`s."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: FirstToken | None = None) -> None:
         self._tokens: dict[int, int] = {}
         self._text: dict[int, int] = {}
         self._done: set[int] = set()
         self._first = True
+        if first is not None:  # decode side: the first token (and its text so far) went out from prefill
+            self._tokens[0], self._text[0], self._first = 1, first.text_len, False
 
     def chunk(self, out: RequestOutput) -> EngineChunk | None:
         samples = []
@@ -77,6 +115,25 @@ class _DeltaTracker:
         return chunk
 
 
+class _TransferCounting:
+    """The engine as the metrics reporter sees it, keeping totals of the transfer stats that pass through."""
+
+    def __init__(self, engine, totals: dict) -> None:
+        self._engine, self._totals = engine, totals
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def pop_transfer_stats(self) -> list:
+        out = self._engine.pop_transfer_stats()
+        for t in out:
+            self._totals["transfers"] += 1
+            self._totals["failed"] += not t.ok
+            self._totals["bytes"] += t.num_bytes
+            self._totals["seconds"] += t.seconds
+        return out
+
+
 @serve.deployment(max_ongoing_requests=1024, health_check_period_s=10)
 class EngineServer:
     """One engine replica of a role (`unified`, later `prefill`/`decode`)."""
@@ -97,6 +154,8 @@ class EngineServer:
         self._load_seconds: float | None = None
         # Request outcomes as this server saw them (operators' view of cancellations; the leak tests use it).
         self._counters = {"started": 0, "finished": 0, "aborted": 0, "rejected": 0}
+        # KV transfers the metrics reporter recorded (prefill side: one per transfer)
+        self._transfer_totals = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -112,9 +171,11 @@ class EngineServer:
                 model_dir = resolve_model_dir(self._config)
             group = self._config.groups()[self._role]
 
+            transfer = engine_transfer_config(self._config) if self._role != "unified" else None
+
             def make_engine() -> Engine:
                 return Engine(str(model_dir), engine_config=self._config.engine, parallel=group.parallel,
-                              device=self._config.device, role=self._role)
+                              device=self._config.device, role=self._role, transfer=transfer)
 
             self._engine = AsyncEngine(make_engine)
             self._start_metrics()
@@ -131,7 +192,7 @@ class EngineServer:
             from deploy.metrics import EngineMetrics, EngineReporter
 
             metrics = EngineMetrics(model_name=self._model_name, role=self._role, replica=self._index)
-            self._reporter = EngineReporter(self._engine, metrics).start()
+            self._reporter = EngineReporter(_TransferCounting(self._engine, self._transfer_totals), metrics).start()
         except Exception:  # metrics must never keep the engine from serving
             logger.exception("engine %s-%d: metrics reporter failed to start", self._role, self._index)
 
@@ -196,6 +257,141 @@ class EngineServer:
         if self._engine is not None:
             self._engine.abort(request_id)
 
+    # -- disaggregation: prefill side -----------------------------------------------------------------------
+    async def prefill(self, req: EngineRequest, decode_group: str,
+                      transfer_id: str | None = None) -> AsyncIterator[EngineChunk | EngineError | TransferOutcome]:
+        """Run the prompt and stream the first token; if the request goes on, its KV is sent to `decode_group`
+        (which admitted it under `transfer_id`) and a `TransferOutcome` follows once that settled."""
+        if self._engine is None:
+            yield self._not_ready()
+            return
+        from workers.async_engine import EngineDeadError, QueueFullError
+
+        tracker = _DeltaTracker()
+        outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt,
+                                        handoff_to=decode_group, transfer_id=transfer_id)
+        self._counters["started"] += 1
+        handed_off = settled = refused = False
+        try:
+            async for out in outputs:
+                handed_off = out.finished and out.outputs[0].finish_reason is None
+                chunk = tracker.chunk(out)
+                if chunk is not None:
+                    chunk.finished = chunk.finished and not handed_off  # the decode replica goes on
+                    yield chunk
+            if handed_off:
+                t = self._config.transfer
+                ok, reason = await self._engine.transfer_outcome(req.request_id, t.lease_s + t.timeout_s)
+                settled = True
+                yield TransferOutcome(ok=ok, reason=reason)
+        except QueueFullError as e:
+            refused = True
+            yield EngineError(status=429, message=str(e) or "the waiting queue is full; retry later",
+                              code="queue_full", retry_after=RETRY_AFTER_QUEUE_FULL_S)
+        except ValueError as e:
+            refused = True
+            yield EngineError(status=400, message=str(e), param=param_of(str(e)))
+        except EngineDeadError as e:
+            refused = True
+            self._state, self._error, self._died = "failed", str(e), True
+            yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+        finally:
+            await outputs.aclose()
+            ended = settled or (not handed_off and tracker._done)
+            if not ended and not refused:  # cancelled: the engine frees the pages once the transfer lets go
+                self._engine.abort(req.request_id)
+            self._counters["finished" if ended else "rejected" if refused else "aborted"] += 1
+
+    async def kv_connect(self, decode_group: str, listened: list) -> None:
+        """Join the pairs a decode replica listens on; returns when they are open."""
+        await self._require_engine().call(lambda e: e.kv_connect(decode_group, listened))
+        engine = self._engine.engine
+        await asyncio.to_thread(engine.kv_wait_ready, None, decode_group)
+
+    async def inject_transfer_faults(self, faults: dict[str, str]) -> None:
+        """Tests and drills: break the KV transfers of these ids (FaultyChannel kinds); {} clears."""
+        await self._require_engine().call(lambda e: e.set_transfer_faults(faults))
+
+    # -- disaggregation: decode side ------------------------------------------------------------------------
+    async def admit(self, req: EngineRequest, prefill_group: str, transfer_id: str | None = None) -> int | EngineError:
+        """Reserve the pages of a prompt that `prefill_group` computes: the page count, or an `EngineError`
+        (503 `kv_capacity` when this replica has no room now, 400 for a request it can never serve)."""
+        if self._engine is None:
+            return self._not_ready()
+        try:
+            pages = await self._engine.admit_remote(req.request_id, req.prompt_token_ids, req.params,
+                                                    group=prefill_group, transfer_id=transfer_id, prompt=req.prompt)
+        except ValueError as e:
+            self._counters["rejected"] += 1
+            return EngineError(status=400, message=str(e), param=param_of(str(e)))
+        if pages is None:
+            self._counters["rejected"] += 1
+            free = self._engine.stats().num_pages_free
+            return EngineError(status=503, code="kv_capacity", retry_after=RETRY_AFTER_KV_S,
+                               message=f"decode replica {self._index}: no room for the prompt's KV pages now "
+                                       f"({free} pages free)")
+        return len(pages)
+
+    async def decode(self, req: EngineRequest, first: FirstToken) -> AsyncIterator[EngineEvent]:
+        """Stream an admitted request after its first token (which the client already has)."""
+        if self._engine is None:
+            yield self._not_ready()
+            return
+        from workers.async_engine import EngineDeadError
+        from workers.engine import KVTransferFailed
+
+        tracker = _DeltaTracker(first)
+        outputs = self._engine.generate_remote(req.request_id, first.token_id, first.logprobs)
+        self._counters["started"] += 1
+        finished = refused = False
+        try:
+            async for out in outputs:
+                chunk = tracker.chunk(out)
+                if chunk is not None:
+                    finished = chunk.finished
+                    yield chunk
+        except KVTransferFailed as e:
+            refused = True
+            yield EngineError(status=503, message=f"the request's KV did not reach the decode replica: {e}",
+                              code="kv_transfer_failed", retry_after=RETRY_AFTER_KV_S)
+        except (ValueError, KeyError) as e:
+            refused = True
+            yield EngineError(status=500, message=f"decode: {e}", code="internal_error")
+        except EngineDeadError as e:
+            refused = True
+            self._state, self._error, self._died = "failed", str(e), True
+            yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+        finally:
+            await outputs.aclose()
+            if not finished and not refused:
+                self._engine.abort(req.request_id)
+            self._counters["finished" if finished else "rejected" if refused else "aborted"] += 1
+
+    async def kv_listen(self, prefill_group: str, prefill_tp: int) -> list:
+        """Open the pairs from a prefill replica's shards; returns what they `kv_connect` to."""
+        return await self._require_engine().call(lambda e: e.kv_listen(prefill_group, prefill_tp))
+
+    async def kv_drop(self, group: str) -> None:
+        await self._require_engine().call(lambda e: e.kv_drop(group))
+
+    async def kv_broken(self, group: str) -> str | None:
+        return await self._require_engine().call(lambda e: e.kv_broken(group))
+
+    async def hold_pages(self, num_pages: int) -> int:
+        """Tests and drills: take pages out of this replica's pool (0 gives them back)."""
+        return await self._require_engine().call(lambda e: e.hold_pages(num_pages))
+
+    async def transfer_totals(self) -> dict:
+        """Totals of the KV transfers fed to the metrics (`transfers`, `failed`, `bytes`, `seconds`)."""
+        if self._reporter is not None:
+            self._reporter.tick()
+        return dict(self._transfer_totals)
+
+    def _require_engine(self):
+        if self._engine is None:
+            raise RuntimeError(f"engine {self._role}-{self._index} is {self._state}: {self._error or 'loading'}")
+        return self._engine
+
     async def stats(self) -> EngineStats:
         if self._engine is None:
             return EngineStats(role=self._role)
@@ -208,6 +404,7 @@ class EngineServer:
     async def pop_request_stats(self) -> list[RequestStats]:
         # The metrics reporter is the engine's one consumer of finished-request stats; read them from it.
         if self._reporter is not None:
+            self._reporter.tick()  # include what finished since the last tick
             return self._reporter.drain_requests()
         return [] if self._engine is None else self._engine.pop_request_stats()
 

@@ -489,6 +489,33 @@ class Engine:
         for agent in self.agents:
             agent.add_listener(fn)
 
+    # pairs (each shard's agent takes the routes of its tp rank; the lists cover every shard of the group)
+    def kv_listen(self, group: str, remote_tp: int) -> list:
+        """Decode role: open the pairs from prefill group `group` (tp `remote_tp`); returns what its shards
+        `kv_connect` to: [(route as a dict, (host, port))]."""
+        return [x for agent in self.agents for x in agent.listen(group, remote_tp)]
+
+    def kv_connect(self, group: str, listened: list) -> None:
+        """Prefill role: join the pairs decode group `group` listens on (returns at once; see kv_wait_ready)."""
+        for agent in self.agents:
+            agent.connect(group, listened)
+
+    def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
+        for agent in self.agents:
+            agent.wait_ready(timeout_s, group)
+
+    def kv_drop(self, group: str) -> None:
+        for agent in self.agents:
+            agent.drop(group)
+
+    def kv_broken(self, group: str) -> str | None:
+        return next((why for agent in self.agents if (why := agent.broken(group))), None)
+
+    def set_transfer_faults(self, faults: dict[str, str]) -> None:
+        """Tests and drills: break the transfers of these ids (FaultyChannel kinds) on this prefill engine."""
+        for agent in self.agents:
+            agent.set_faults(faults)
+
     def hold_pages(self, num_pages: int) -> int:
         """Take `num_pages` free pages out of the pool (tests and drills: a full decode replica); 0 gives them
         back. Returns how many are held."""

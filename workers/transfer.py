@@ -312,10 +312,12 @@ class _Endpoint:
             raise ValueError(f"route: heads [{route.head_start}, {route.head_end}) are not within this shard's "
                              f"heads [{lo}, {hi})")
 
-    def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Block until every pair is open; raises TransferError naming a pair that failed to open."""
+    def wait_ready(self, timeout_s: float | None = None, *, peers: Sequence[str] | None = None) -> None:
+        """Block until every pair (or the given `peers`) is open; raises TransferError naming a pair that
+        failed to open."""
         deadline = time.monotonic() + (timeout_s or self.config.connect_timeout_s)
-        for name, w in self._workers.items():
+        workers = dict(self._workers) if peers is None else {n: self._workers[n] for n in peers}
+        for name, w in workers.items():
             if not w.ready.wait(max(deadline - time.monotonic(), 0)):
                 raise TransferTimeout(f"pair {name} not open in time")
             if w.broken:
@@ -952,8 +954,9 @@ class TransferAgent:
             names.append(name)
         self._groups[group] = names
 
-    def wait_ready(self, timeout_s: float | None = None) -> None:
-        self.end.wait_ready(timeout_s)
+    def wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
+        """Block until the pairs (of `group`, else all) are open."""
+        self.end.wait_ready(timeout_s, peers=None if group is None else self._groups.get(group, []))
 
     def drop(self, group: str) -> None:
         """Close every pair of `group` (replaced by a newer generation, or the remote replica is gone)."""

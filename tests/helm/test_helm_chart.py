@@ -260,12 +260,7 @@ def test_build_app_accepts_the_rendered_args(ci, tmp_path):
     model["mountPath"] = str(tmp_path / "models")
     args = app_args(values)
     assert args["config"]["model"] == str(tmp_path / "models" / sub)
-    try:
-        app = app_module.build_app(args)
-    except Exception as e:  # noqa: BLE001 - only the one known gap is tolerated, and it is reported
-        if values["serve"].get("disaggregate") and "not available in this build yet" in str(e):
-            pytest.xfail(f"deploy.app refuses disaggregation for now: {e}")
-        raise
+    app = app_module.build_app(args)
     assert isinstance(app, Application)
     # The chart's per-deployment options name exactly the deployments the app has (Serve rejects a config that
     # names a deployment the application lacks). Ray's own builder resolves the graph without a cluster.

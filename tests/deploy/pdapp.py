@@ -1,0 +1,45 @@
+"""The disaggregated test app (1 prefill + 1 decode replica of the built-in tiny model, gloo on loopback),
+deployed once per session next to the shared unified app (`serve_app`, tests/deploy/conftest.py) under route
+prefix /pd; test_disagg.py and test_disagg_faults.py share it through `pd_app(serve_app)`."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+PD_NAME = "pd"
+PD_CONFIG: dict[str, Any] = {
+    "model": None,
+    "disaggregate": True,
+    "engine": {"max_model_len": 512, "max_num_seqs": 16, "max_waiting": 32, "max_num_batched_tokens": 512,
+               "num_pages": 256},
+    "prefill": {"num_cpus_per_shard": 0.5},
+    "decode": {"num_cpus_per_shard": 0.5},
+    # short: the dead-peer case waits for this timeout
+    "transfer": {"timeout_s": 3.0, "lease_s": 30.0},
+}
+
+_app = None  # tests/deploy/conftest.py's ServeApp, pointed at /pd
+
+
+def pd_app(serve_app):
+    """The running disaggregated app (deployed on first use, then shared; Serve goes down with serve_app)."""
+    global _app
+    if _app is None:
+        config = {**PD_CONFIG, "api_key": serve_app.api_key}
+        base = serve_app.deploy_extra(PD_NAME, config)
+        serve_app.wait_healthy_at(base)
+        _app = dataclasses.replace(serve_app, base_url=base, config=config, extra_apps=[])
+    return _app
+
+
+def handle(name: str):
+    """A deployment of the pd app ("Router", "EngineServer-prefill-0", "EngineServer-decode-0")."""
+    from ray import serve
+
+    return serve.get_deployment_handle(name, app_name=PD_NAME)
+
+
+def pages_in_use(app) -> dict[str, int]:
+    return {f"{r['role']}-{r['replica']}": r["stats"]["num_pages_total"] - r["stats"]["num_pages_free"]
+            for r in app.engine_stats()}

@@ -1,0 +1,123 @@
+"""Disaggregation under faults, on the shared disaggregated Serve app (tests/deploy/pdapp.py). Faults are
+keyed by request id: transfer faults on the prefill replica's channel (FaultyChannel), a pause in the router
+between prefill and decode, pages taken out of the decode pool. Requests go through the Router deployment's
+handle with chosen ids (what the ingress does, minus HTTP); cancelling the stream is what the ingress does when
+the client disconnects. Each case ends in a clear response, and afterwards both sides hold zero pages."""
+from __future__ import annotations
+
+import random
+import time
+
+import openai
+import pytest
+
+from deploy.protocol import EngineChunk, EngineError, EngineRequest
+from tests.deploy.pdapp import handle, pages_in_use, pd_app
+from workers.request import SamplingParams
+
+PROMPT = [random.Random(5).randrange(3, 384) for _ in range(90)]
+
+
+@pytest.fixture(scope="module")
+def pd(serve_app):
+    app = pd_app(serve_app)
+    yield app
+    handle("EngineServer-prefill-0").inject_transfer_faults.remote({}).result()
+    handle("Router").inject_faults.remote({}, retry_prefill=False).result()
+
+
+def request(rid: str, max_tokens: int = 5) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=PROMPT,
+                         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def run(rid: str, max_tokens: int = 5) -> list:
+    return list(handle("Router").options(stream=True).generate.remote(request(rid, max_tokens)))
+
+
+def tokens(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, EngineChunk) for s in e.samples for t in s.token_ids]
+
+
+def assert_clean(pd) -> None:
+    pd.wait_idle(timeout=30)
+    assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
+
+
+@pytest.fixture(scope="module")
+def healthy(pd) -> list[int]:
+    """The request's greedy tokens when nothing fails."""
+    events = run("healthy")
+    assert isinstance(events[-1], EngineChunk) and events[-1].finished
+    return tokens(events)
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("corrupt_header", "header mismatch"),  # the decode side refuses the payload: the pair stays in step
+    ("peer_gone", "peer_gone"),  # the prefill side cannot reach its peer: the pair is replaced
+    ("drop_payload", "timeout"),  # prefill goes silent mid-transfer (a dead peer): both time out, pair replaced
+])
+def test_transfer_failure_is_a_503_and_frees_both_sides(pd, healthy, kind, says):
+    rid = f"fault-{kind}"
+    handle("EngineServer-prefill-0").inject_transfer_faults.remote({rid: kind}).result()
+    before = handle("Router").pairs.remote().result()
+    events = run(rid)
+    # the first token reached the client before the transfer failed; then one clear error ends the stream
+    assert tokens(events) == healthy[:1]
+    err = events[-1]
+    assert isinstance(err, EngineError) and err.status == 503 and err.code == "kv_transfer_failed", err
+    assert says in err.message
+    assert_clean(pd)
+    after = handle("Router").pairs.remote().result()
+    replaced = kind != "corrupt_header"
+    assert [after[k] - before[k] for k in before] == [int(replaced)]
+    # and the next request goes through (over the new pair where the old one broke)
+    assert tokens(run(f"after-{kind}")) == healthy
+    assert_clean(pd)
+
+
+def test_retry_prefill_recovers_a_failed_transfer(pd, healthy):
+    handle("Router").inject_faults.remote({}, retry_prefill=True).result()
+    try:
+        handle("EngineServer-prefill-0").inject_transfer_faults.remote({"retried": "corrupt_header"}).result()
+        events = run("retried")
+        assert not any(isinstance(e, EngineError) for e in events)
+        assert tokens(events) == healthy  # the first token once, then the rest after the second prefill
+    finally:
+        handle("Router").inject_faults.remote({}, retry_prefill=False).result()
+    assert_clean(pd)
+
+
+def test_client_gone_between_prefill_and_decode(pd, healthy):
+    handle("Router").inject_faults.remote({"gone": "pause_before_decode"}).result()
+    stream = handle("Router").options(stream=True).generate.remote(request("gone"))
+    first = next(iter(stream))
+    assert isinstance(first, EngineChunk) and first.samples[0].token_ids == healthy[:1]
+    # the KV lands on the decode side (its pages reserved, prefill's freed), the router waits before decoding
+    deadline = time.monotonic() + 10
+    while pages_in_use(pd) != {"prefill-0": 0, "decode-0": 6}:  # 90 prompt tokens = 6 pages
+        assert time.monotonic() < deadline, pages_in_use(pd)
+        time.sleep(0.05)
+    stream.cancel()  # the client leaves
+    assert_clean(pd)
+    handle("Router").inject_faults.remote({}).result()
+
+
+def test_decode_replica_without_free_pages(pd, healthy):
+    decode = handle("EngineServer-decode-0")
+    free = pd.engine_stats()
+    free = next(r["stats"]["num_pages_free"] for r in free if r["role"] == "decode")
+    decode.hold_pages.remote(free - 2).result()  # the 90-token prompt needs 6
+    try:
+        events = run("full")
+        assert len(events) == 1 and isinstance(events[0], EngineError), events
+        assert events[0].status == 503 and events[0].code == "kv_capacity"
+        # the same through HTTP: a 503 with the reason and a Retry-After
+        with pytest.raises(openai.APIStatusError) as exc:
+            pd.client().completions.create(model=pd.model, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert exc.value.status_code == 503 and exc.value.response.headers.get("retry-after")
+        assert "KV pages" in exc.value.message
+    finally:
+        decode.hold_pages.remote(0).result()
+    assert_clean(pd)
+    assert tokens(run("room-again")) == healthy
