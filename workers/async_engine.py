@@ -67,7 +67,10 @@ class AsyncEngine:
         self._transfer_stats: deque[TransferStats] = deque(maxlen=4096)
         self._outcomes: dict[str, concurrent.futures.Future] = {}  # prefill: request id -> (ok, reason)
         self._failed: OrderedDict[str, str] = OrderedDict()  # decode failures nobody was streaming yet
-        self.engine.add_transfer_listener(self._wake.set)
+        # only prefill/decode engines move KV (a dp > 1 engine is unified and has none of those calls)
+        self._disaggregated = getattr(self.engine, "role", "unified") != "unified"
+        if self._disaggregated:
+            self.engine.add_transfer_listener(self._wake.set)
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -222,9 +225,12 @@ class AsyncEngine:
             while True:
                 with self._lock:
                     idle = not self._inbox and not self._stopping
-                if idle and not self.engine.scheduler.has_unfinished():
-                    # transfers settle on other threads (their listener sets _wake); leases need a clock
-                    self._wake.wait(TRANSFER_POLL_S if self.engine.has_pending_transfers() else None)
+                if self._disaggregated:
+                    if idle and not self.engine.scheduler.has_unfinished():
+                        # transfers settle on other threads (their listener sets _wake); leases need a clock
+                        self._wake.wait(TRANSFER_POLL_S if self.engine.has_pending_transfers() else None)
+                elif idle and not self.engine.has_unfinished():
+                    self._wake.wait()
                 self._wake.clear()
                 if self._apply_inbox():
                     return
@@ -302,10 +308,12 @@ class AsyncEngine:
         stats = self.engine.stats()
         req_stats = self.engine.pop_request_stats()
         step_stats = self.engine.pop_step_stats()
-        transfer_stats = self.engine.pop_transfer_stats()
-        for rid, ok, reason in self.engine.pop_transfer_outcomes():
-            self._settle_outcome(rid, ok, reason)
-        failures = self.engine.pop_failures()
+        transfer_stats, failures = [], []
+        if self._disaggregated:
+            transfer_stats = self.engine.pop_transfer_stats()
+            for rid, ok, reason in self.engine.pop_transfer_outcomes():
+                self._settle_outcome(rid, ok, reason)
+            failures = self.engine.pop_failures()
         with self._lock:
             self._stats = stats
             self._request_stats.extend(req_stats)
