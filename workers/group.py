@@ -333,6 +333,22 @@ class _DPRankExecutor:
         pass  # the group belongs to the DPEngine
 
 
+@dataclass(frozen=True)
+class _DPSchedulers:
+    schedulers: list
+
+    def has_unfinished(self) -> bool:
+        return any(s.has_unfinished() for s in self.schedulers)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s.num_running for s in self.schedulers)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.schedulers)
+
+
 class DPEngine(Engine):
     """An engine over dp attention-data-parallel ranks (see the module docstring); the `Engine` API.
 
@@ -469,6 +485,28 @@ class DPEngine(Engine):
             num_decode_tokens=sum(s.num_decode_tokens for s in mine),
             batch_size=sum(s.batch_size for s in mine), num_preemptions=sum(s.num_preemptions for s in mine)))
         self.num_steps += 1
+
+    @property
+    def scheduler(self) -> _DPSchedulers:
+        """The dp ranks' schedulers seen as one (the async step loop asks it whether work is queued)."""
+        return _DPSchedulers([core.scheduler for core in self.cores])
+
+    # ---- the disaggregation hooks the async step loop calls; a unified dp engine has no transfers -------
+    def add_transfer_listener(self, fn) -> None:
+        for core in self.cores:
+            core.add_transfer_listener(fn)
+
+    def has_pending_transfers(self) -> bool:
+        return any(core.has_pending_transfers() for core in self.cores)
+
+    def pop_failures(self) -> list:
+        return [x for core in self.cores for x in core.pop_failures()]
+
+    def pop_transfer_outcomes(self) -> list:
+        return [x for core in self.cores for x in core.pop_transfer_outcomes()]
+
+    def pop_transfer_stats(self) -> list:
+        return [x for core in self.cores for x in core.pop_transfer_stats()]
 
     # ---- stats ------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

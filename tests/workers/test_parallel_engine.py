@@ -135,14 +135,57 @@ def _dead_rank(engine) -> dict:
     group = _group_of(engine)
     out = {"ping_before": group.ping()}
     ray.kill(group.actors[1])
-    for what, fn in (("ping", group.ping), ("step", lambda: (engine.add_request(
-            "after-kill", [5, 6, 7], SamplingParams(max_tokens=2)), engine.step()))):
+    out["ping"] = None
+    deadline = time.monotonic() + 20
+    while out["ping"] is None and time.monotonic() < deadline:  # the kill lands asynchronously
         try:
-            fn()
-            out[what] = None
+            group.ping(timeout_s=5)
+            time.sleep(0.1)
         except GroupError as e:
-            out[what] = str(e)
+            out["ping"] = str(e)
+    try:
+        engine.add_request("after-kill", [5, 6, 7], SamplingParams(max_tokens=2))
+        engine.step()
+        out["step"] = None
+    except GroupError as e:
+        out["step"] = str(e)
     return out
+
+
+def _through_async_engine(engine) -> dict:
+    """The same requests streamed concurrently through `AsyncEngine` (the server's step thread) over a
+    DPEngine; one client leaves its stream early (abort)."""
+    import asyncio
+
+    from workers.async_engine import AsyncEngine
+
+    async def one(aeng, rid, prompt, params, leave_after=None):
+        n, last = 0, None
+        async for out in aeng.generate(f"async-{rid}", prompt, params):
+            n, last = n + 1, out
+            if leave_after is not None and n == leave_after:
+                break
+        c = last.outputs[0]
+        return rid, {"tokens": c.token_ids, "logprobs": [{str(k): v for k, v in d.items()} for d in c.logprobs]}
+
+    async def main():
+        aeng = AsyncEngine(engine)
+        try:
+            reqs = _requests()
+            tasks = [one(aeng, rid, prompt, params) for rid, prompt, params in reqs[:4]]
+            tasks.append(one(aeng, "left", reqs[0][1], reqs[0][2], leave_after=2))
+            done = dict(await asyncio.gather(*tasks))
+            for _ in range(200):  # the abort of the stream left early lands between steps
+                st = aeng.stats()
+                if st.num_running == st.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return done, aeng.stats()
+        finally:
+            await asyncio.to_thread(aeng.shutdown)
+
+    done, st = asyncio.run(main())
+    return {"outputs": done, "free": st.num_pages_free, "total": st.num_pages_total}
 
 
 def drive(ckpt: str, tmp: Path) -> dict:
@@ -187,6 +230,8 @@ def drive(ckpt: str, tmp: Path) -> dict:
                         unfinished=engine.has_unfinished())
             if name == "tp2":
                 case["dead_rank"] = _dead_rank(engine)
+            if name == "dp2-ep2":
+                case["async"] = _through_async_engine(engine)  # shuts the engine down
             engine.shutdown()
             result["cases"][name] = case
         result["failures"] = _failures(ckpt, engine_config, tmp)
@@ -281,6 +326,15 @@ def test_idle_dp_rank_runs_empty_forwards(run, case):
     assert len(idle) == 1 and idle.pop() >= 3  # the same count on each tp rank of the idle dp rank
     # every rank joined every group step (lockstep), busy or idle
     assert len({c["calls"] for c in counters}) == 1 and counters[0]["calls"] == got["steps"]
+
+
+def test_dp_engine_streams_through_async_engine(run):
+    a = run["cases"]["dp2-ep2"]["async"]
+    ref = run["single"]
+    for rid in ("r0", "r1", "r2", "r3"):
+        _assert_same(ref[rid], a["outputs"][rid], f"async/{rid}")
+    assert len(a["outputs"]["left"]["tokens"]) == 2  # the client that left early got what it had read
+    assert a["free"] == a["total"] == 2 * 64  # both dp ranks' pools, every page back (abort included)
 
 
 def test_dead_rank_is_named_by_ping_and_step(run):
