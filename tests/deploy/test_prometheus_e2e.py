@@ -34,8 +34,11 @@ REQUEST_HISTOGRAMS = ("time_to_first_token_seconds", "e2e_request_latency_second
                       "request_time_per_output_token_seconds", "request_queue_time_seconds",
                       "request_prefill_time_seconds", "request_decode_time_seconds")
 # Families compared before/after; `_sum` is left out on purpose (Ray re-records observations at bucket midpoints).
+# KV transfers: counts and exact bytes (the engines' per-transfer stats are not drained, so no buckets).
+TRANSFER_FAMILIES = ("ray_m3serve_kv_transfer_seconds_count", "ray_m3serve_kv_transfer_bytes_count",
+                     spec("kv_transferred_bytes").exported_name, spec("kv_transfer_failures").exported_name)
 FAMILIES = tuple(spec(n).exported_name for n in COUNTERS) + tuple(
-    spec(n).exported_name + suffix for n in REQUEST_HISTOGRAMS for suffix in ("_count", "_bucket"))
+    spec(n).exported_name + suffix for n in REQUEST_HISTOGRAMS for suffix in ("_count", "_bucket")) + TRANSFER_FAMILIES
 # A series is identified by all its labels (Ray adds WorkerId, NodeAddress, ...; other apps of the session have
 # the same model/role/replica labels); a delta is aggregated by these.
 KEY_LABELS = ("__name__", "role", "le", "finished_reason", "reason")
@@ -239,3 +242,44 @@ def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_p
         slowest = max(r["ttft_s"] for r in detail)
         bound = min(b for b in spec("time_to_first_token_seconds").buckets if b >= slowest)
         assert 0 < p50 <= bound
+
+
+def test_disaggregated_bench_counts_reach_prometheus_per_role(serve_app, tmp_path):
+    """The same through the disaggregated app (one prefill, one decode replica): each role counts its own part of
+    every request, KV transfers are counted on the prefill side, and now every dashboard query returns data."""
+    from tests.deploy.pdapp import handle, pd_app
+
+    pd = pd_app(serve_app)
+    roles = {"prefill", "decode"}
+
+    def pop() -> list:
+        return handle("Router").pop_request_stats.remote().result()
+
+    prefill = handle("EngineServer-prefill-0")
+    t_start = time.time()
+    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
+        before = _settled_baseline(pd, prom, pop, roles)
+        transfers_before = prefill.transfer_totals.remote().result()
+        result, by_role = _bench_and_drain(pd, tmp_path, pop, roles)
+        transfers = {k: v - transfers_before[k] for k, v in prefill.transfer_totals.remote().result().items()}
+
+        n, n_in, n_out = result["completed"], result["total_input_tokens"], result["total_output_tokens"]
+        want = {**_want_deltas("prefill", by_role["prefill"]), **_want_deltas("decode", by_role["decode"])}
+        # prompt tokens are computed by prefill, the user's output delivered by decode, each request once per role
+        assert want[("ray_m3serve_prompt_tokens_total", "prefill", None, None, None)] == n_in
+        assert want[("ray_m3serve_generation_tokens_total", "decode", None, None, None)] == n_out
+        for role in roles:
+            assert sum(v for k, v in want.items() if k[0] == "ray_m3serve_request_success_total" and k[1] == role) == n
+            assert want[(spec("time_to_first_token_seconds").exported_name + "_count", role, None, None, None)] == n
+        # one KV transfer per request, on the prefill side, bytes exactly as the engine counted them
+        assert transfers["transfers"] == n and transfers["failed"] == 0 and transfers["bytes"] > 0
+        want[("ray_m3serve_kv_transfer_seconds_count", "prefill", None, None, None)] = n
+        want[("ray_m3serve_kv_transfer_bytes_count", "prefill", None, None, None)] = n
+        want[("ray_m3serve_kv_transferred_bytes_total", "prefill", None, None, None)] = transfers["bytes"]
+        _assert_deltas(prom, pd, before, want, roles)
+        detail = [r for r in result["requests"] if r["success"]]
+        _assert_no_later_than_client([s.ttft for s in by_role["prefill"]], [r["ttft_s"] for r in detail])
+        _assert_no_later_than_client([s.e2e_latency for s in by_role["decode"]], [r["e2e_s"] for r in detail])
+
+        # with transfers, every dashboard query returns data
+        assert _empty_dashboard_queries(prom, t_start) == set()
