@@ -127,3 +127,25 @@ def test_transfer_stats_reach_the_reporter(pd):
     assert after["transfers"] == before["transfers"] + 1
     assert after["bytes"] - before["bytes"] == 7 * per_page  # 100 prompt tokens = 7 pages
     assert after["seconds"] > before["seconds"]
+
+
+def test_serve_cli_disaggregate_flags():
+    """`m3serve serve --disaggregate ...` flags become the prefill/decode groups and transfer settings."""
+    import argparse
+
+    from deploy.app import config_from_args
+    from deploy.serve_cmd import add_arguments, overrides_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--disaggregate", "--prefill-replicas", "2", "--decode-replicas", "3",
+                              "--prefill-tp", "2", "--decode-dp", "2", "--transfer-timeout", "7",
+                              "--transfer-lease", "9", "--retry-prefill"])
+    cfg = config_from_args({"overrides": overrides_from_args(args)})
+    groups = cfg.groups()
+    assert cfg.disaggregate and set(groups) == {"prefill", "decode"}
+    assert (groups["prefill"].replicas, groups["prefill"].tp, groups["decode"].replicas, groups["decode"].dp) == (2, 2, 3, 2)
+    assert (cfg.transfer.timeout_s, cfg.transfer.lease_s, cfg.transfer.retry_prefill) == (7.0, 9.0, True)
+    preset = config_from_args({"config_file": "configs/serve/cpu-pd.yaml"})
+    assert preset.disaggregate and preset.device == "cpu" and set(preset.groups()) == {"prefill", "decode"}
+    assert overrides_from_args(parser.parse_args([])) == {}
