@@ -36,6 +36,7 @@ from workers.runner import StepResult
 from workers.stats import EngineStats, RequestStats, StepStats
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+DISPATCH_MODES = ("compiled", "rpc")
 
 
 class GroupStartError(RuntimeError):
@@ -55,6 +56,11 @@ class GroupOptions:
     placement_timeout_s: how long to wait for the cluster to grant the bundles. start_timeout_s: how long the
     ranks may take to join the process group and load their weights. collective_timeout_s: the process
     groups' timeout (a collective stuck longer fails). moe_dispatch: "alltoall" | "allreduce" (ep > 1).
+    dispatch: how a step reaches the ranks. "compiled" (default): a Ray Compiled Graph over every rank,
+    compiled once at start; a step writes each dp rank's batch into shared-memory channels (measured ~0.2 ms
+    for two ranks on CPU vs ~1.5 ms for plain calls). "rpc": one plain actor call per rank per step; a rank
+    that fails is reported at once, where with "compiled" a rank that raises leaves its peers in their
+    collective until collective_timeout_s (a rank that dies is still reported at once).
     """
 
     num_cpus_per_shard: float = 1.0
@@ -63,8 +69,11 @@ class GroupOptions:
     start_timeout_s: float = 600.0
     collective_timeout_s: float = 600.0
     moe_dispatch: str = "alltoall"
+    dispatch: str = "compiled"
 
     def __post_init__(self) -> None:
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch: {self.dispatch!r} is not one of {DISPATCH_MODES}")
         if self.num_cpus_per_shard < 0:
             raise ValueError(f"num_cpus_per_shard: must be >= 0, got {self.num_cpus_per_shard}")
         if self.strategy is not None and self.strategy not in PLACEMENT_STRATEGIES:
@@ -109,6 +118,7 @@ class WorkerGroup:
         self.lockstep = parallel.dp > 1 and parallel.ep > parallel.tp  # == ParallelContext.dp_ranks_in_lockstep
         self.actors: list = []
         self.placement_group = None
+        self._dag = None  # the compiled step graph (dispatch="compiled")
         self._broken: str | None = None
         self._empty_payload = pickle.dumps(StepBatch(input_ids=[], chunks=[], sample_chunks=[], rows=[],
                                                      released_seq_ids=[]), protocol=pickle.HIGHEST_PROTOCOL)
@@ -116,6 +126,8 @@ class WorkerGroup:
             self._place()
             self._spawn(str(model_dir), engine_config)
             self.rank_info = self._start()
+            if options.dispatch == "compiled":
+                self._dag = self._compile()
         except BaseException:
             self.shutdown()
             raise
@@ -188,6 +200,17 @@ class WorkerGroup:
                     raise err(f"rank {rank} of {self._describe()} failed to {what}: {_cause(e)}") from e
         return [results[r] for r in sorted(results)]
 
+    def _compile(self):
+        """The step as a compiled graph: input = one pickled batch per dp rank; every rank reads its dp rank's
+        and returns its result (None but on tp rank 0). Every rank runs every step: an idle dp rank gets the
+        empty batch (an empty forward when in lockstep, else an immediate return)."""
+        from ray.dag import InputNode, MultiOutputNode
+
+        tp = self.parallel.tp
+        with InputNode() as inp:
+            dag = MultiOutputNode([a.execute_pickled.bind(inp[r // tp]) for r, a in enumerate(self.actors)])
+        return dag.experimental_compile()
+
     def _describe(self) -> str:
         p = self.parallel
         return f"the worker group (tp={p.tp}, ep={p.ep}, dp={p.dp})"
@@ -203,19 +226,44 @@ class WorkerGroup:
             raise GroupError(f"worker group unusable: {self._broken}")
         if all(b is None for b in batches):
             return [None] * p.dp
-        calls: dict = {}
-        for d, batch in enumerate(batches):
-            if batch is None and not self.lockstep:
-                continue  # nobody waits on this dp rank's collectives
-            payload = self._empty_payload if batch is None else pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-            for r in range(d * p.tp, (d + 1) * p.tp):
-                calls[self.actors[r].execute_pickled.remote(payload)] = r
-        try:
-            by_rank = dict(zip(sorted(calls.values()), self._wait(calls, None, "run a step")))
-        except GroupError as e:
-            self._broken = str(e)
-            raise
+        payloads = [self._empty_payload if b is None else pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL)
+                    for b in batches]
+        if self._dag is not None:
+            by_rank = dict(enumerate(self._execute_compiled(payloads)))
+        else:
+            calls: dict = {}
+            for d, batch in enumerate(batches):
+                if batch is None and not self.lockstep:
+                    continue  # nobody waits on this dp rank's collectives
+                for r in range(d * p.tp, (d + 1) * p.tp):
+                    calls[self.actors[r].execute_pickled.remote(payloads[d])] = r
+            try:
+                by_rank = dict(zip(sorted(calls.values()), self._wait(calls, None, "run a step")))
+            except GroupError as e:
+                self._broken = str(e)
+                raise
         return [by_rank.get(d * p.tp) if batches[d] is not None else None for d in range(p.dp)]
+
+    def _execute_compiled(self, payloads: list[bytes]) -> list[StepResult | None]:
+        try:
+            refs = self._dag.execute(*payloads)
+            return ray.get(refs, timeout=self.options.collective_timeout_s)
+        except Exception as e:
+            self._broken = self._diagnose(e)
+            raise GroupError(self._broken) from e
+
+    def _diagnose(self, e: BaseException) -> str:
+        """Name the rank behind a failed compiled step: a dead rank (its ping fails), or the rank whose actor
+        the error came from."""
+        try:
+            self.ping(timeout_s=5.0)
+        except GroupError as dead:
+            return f"{dead} ({self._describe()}; the step failed: {_cause(e)})"
+        actor_id = getattr(getattr(e, "cause", None), "actor_id", None) or getattr(e, "actor_id", None)
+        for r, a in enumerate(self.actors):
+            if actor_id is not None and a._actor_id.hex() == str(actor_id):
+                return f"rank {r} of {self._describe()} failed to run a step: {_cause(e)}"
+        return f"{self._describe()} failed to run a step: {_cause(e)}"
 
     def ping(self, timeout_s: float = 30.0) -> list[str]:
         """Health check: every rank answers (after any step it is running). Raises `GroupError` naming the
@@ -239,6 +287,12 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Kill the actors and release the placement. No graceful group teardown: a peer may be dead or stuck
         in a collective, and killing every rank ends all of it."""
+        if self._dag is not None:
+            dag, self._dag = self._dag, None
+            try:
+                dag.teardown()
+            except Exception:
+                pass
         for a in self.actors:
             try:
                 ray.kill(a)

@@ -16,6 +16,7 @@ from workers.group import DPEngine, GroupOptions, make_group_executor
     ({"placement_timeout_s": 0}, "placement_timeout_s"),
     ({"start_timeout_s": -5}, "start_timeout_s"),
     ({"moe_dispatch": "broadcast"}, "moe_dispatch"),
+    ({"dispatch": "broadcast"}, "dispatch"),
 ])
 def test_group_options_name_the_bad_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):

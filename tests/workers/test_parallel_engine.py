@@ -31,6 +31,7 @@ CASES = {
     "dp2-ep2": (1, 2, 2),
     "tp2-dp2-ep4": (2, 4, 2),
 }
+RPC_CASES = {"tp2-ep2", "dp2-ep2"}  # steps as plain actor calls; the others through the compiled graph
 PROMPT_LENS = (90, 23, 41, 5, 64)
 MAX_TOKENS = (8, 3, 8, 3, 6)
 TOL = 1e-4
@@ -215,7 +216,8 @@ def drive(ckpt: str, tmp: Path) -> dict:
         ray_one.shutdown()
         for name, (tp, ep, dp) in CASES.items():
             t = time.monotonic()
-            options = GroupOptions(num_cpus_per_shard=1, placement_timeout_s=120)
+            options = GroupOptions(num_cpus_per_shard=1, placement_timeout_s=120,
+                                   dispatch="rpc" if name in RPC_CASES else "compiled")
             if name == "tp2":  # the offline API path
                 llm = LLM(ckpt, tp=tp, ep=ep, dp=dp, executor=options, **engine_fields)
                 engine = llm.engine
@@ -223,7 +225,8 @@ def drive(ckpt: str, tmp: Path) -> dict:
                 engine = Engine(ckpt, engine_config=engine_config, parallel=ParallelConfig(tp=tp, ep=ep, dp=dp),
                                 executor=options)
             start_s = time.monotonic() - t
-            case = {"start_s": start_s, "type": type(engine).__name__, "assignment": None}
+            case = {"start_s": start_s, "type": type(engine).__name__, "assignment": None,
+                    "dispatch": options.dispatch}
             outs = _outputs(engine) if dp == 1 else _outputs_recording_ranks(engine, case)
             case.update(outputs=outs, overhead_ms=_decode_overhead_ms(engine), pages=_pages(engine),
                         counters=_group_of(engine).call("counters"), steps=engine.num_steps,
@@ -339,6 +342,7 @@ def test_dp_engine_streams_through_async_engine(run):
 
 def test_dead_rank_is_named_by_ping_and_step(run):
     d = run["cases"]["tp2"]["dead_rank"]
+    print(f"\nping: {d['ping']}\nstep: {d['step']}")
     assert d["ping_before"] == ["ok", "ok"]
     assert d["ping"] is not None and d["ping"].startswith("rank 1"), d["ping"]
     assert d["step"] is not None and "rank" in d["step"] and "tp=2" in d["step"], d["step"]
@@ -361,7 +365,7 @@ def test_report_host_overhead(run):
     """Per decode step, outside the forward: in-process, one actor, and the groups (printed for the report)."""
     lines = [f"single in-process {run['single_overhead_ms']:.2f} ms", f"ray tp1 {run['ray_tp1_overhead_ms']:.2f} ms"]
     for name, c in run["cases"].items():
-        lines.append(f"{name} {c['overhead_ms']:.2f} ms (start {c['start_s']:.1f} s)")
+        lines.append(f"{name} ({c['dispatch']}) {c['overhead_ms']:.2f} ms (start {c['start_s']:.1f} s)")
     print("\n" + "\n".join(lines) + f"\ndriver wall {run['wall_s']:.1f} s")
     # a group step is one round of Ray calls, not a per-rank sequence: tp2 stays within a few actor round trips
     assert run["cases"]["tp2"]["overhead_ms"] < 5 * run["ray_tp1_overhead_ms"] + 5
