@@ -175,5 +175,9 @@ def test_cli_flags_override_the_config_file_and_bad_args_are_named():
         config_from_args({"confg": {}})
     with pytest.raises(ConfigError, match="max_num_seq"):
         config_from_args({"config": {"engine": {"max_num_seq": 3}}})
-    with pytest.raises(ConfigError, match="disaggregate"):
-        build_app({"config_file": "configs/serve/gpu-2-pd.yaml"})
+    # the disaggregated GPU preset builds one engine deployment per role (Ray's own builder, no cluster needed)
+    from ray.serve._private.build_app import build_app as resolve_deployments
+
+    built = resolve_deployments(build_app({"config_file": "configs/serve/gpu-2-pd.yaml"}), name="m3serve")
+    names = {d.name for d in built.deployments}
+    assert {"EngineServer-prefill-0", "EngineServer-decode-0", "Router", "Ingress"} <= names, names
