@@ -12,6 +12,8 @@ Routed experts:
           also puts the tp ranks' token slices back together. `ctx.moe_dispatch = "allreduce"` replaces the
           two all-to-alls by an all-gather of the token slices and an all-reduce of the experts' partial sums
           (the first version, kept for comparison).
+The local experts run through `kernels.fused_moe.fused_moe` in both cases: on CUDA one grouped-GEMM kernel
+chain with no host sync (the ep = 1 block is CUDA-graph capturable), on CPU the torch loop it is tested against.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fused_moe import MoEConfig, fused_moe
 from msa.config import M3Config
 from msa.layers import swiglu_oai_packed
 from msa.linear import (ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read,
@@ -87,6 +90,10 @@ class Experts(nn.Module):
         gate_up_ids = [(e, part) for e in range(self.num_experts) for part in ("gate", "up")]
         self.gate_up_proj = new_param((n, 2 * i, h), dtype, device, self._load_gate_up, gate_up_ids)
         self.down_proj = new_param((n, h, i), dtype, device, self._load_down, range(self.num_experts))
+        # None: the fused Triton kernel on CUDA, the torch loop elsewhere; "ref" / "triton" force one
+        # (benchmarks time the loop on the GPU with "ref"). config: a launch config override (None: by shape).
+        self.backend: str | None = None
+        self.config: MoEConfig | None = None
 
     def _rows(self, base: int = 0) -> slice:
         return slice(base + self.inter_start, base + self.inter_start + self.inter_local)
@@ -119,44 +126,20 @@ class Experts(nn.Module):
         if e in self.experts:
             param.data[e - e0].copy_(read(src, (slice(None), self._rows())))
 
-    def expert_ffn(self, local: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert `local` on rows x [n, H] -> [n, H] (unweighted)."""
-        act = swiglu_oai_packed(F.linear(x, self.gate_up_proj[local]), self.alpha, self.limit)
-        return F.linear(act, self.down_proj[local])
-
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k] -> partial sum over this rank's experts [T, H] (not reduced).
 
-        Batched by expert: the (token, slot) pairs are sorted by expert id, then each local expert that received
-        tokens runs one GEMM pair over its contiguous run (a fused grouped-GEMM kernel replaces this loop).
-        """
-        out = torch.zeros_like(x)
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        begin = sum(counts[:self.experts.start])  # pairs routed to experts of lower ranks come first
-        flat_w = weights.reshape(-1)
-        for local, n in enumerate(counts[self.experts.start:self.experts.stop]):
-            if n == 0:
-                continue
-            pairs = order[begin:begin + n]
-            begin += n
-            tokens = pairs // k
-            y = self.expert_ffn(local, x[tokens]) * flat_w[pairs, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
-        return out
+        On CUDA the fused grouped-GEMM kernel (kernels/fused_moe.py: pairs sorted by expert on the device,
+        SwiGLU-OAI fused, no host sync, so the block can be captured in a CUDA graph); elsewhere, or with
+        `backend = "ref"`, the torch loop over the experts that received pairs (one host sync)."""
+        return fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj, alpha=self.alpha, limit=self.limit,
+                         expert_start=self.experts.start, config=self.config, backend=self.backend)
 
-    def forward_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """rows [n, H] already grouped by local expert (counts[e] rows for local expert e, in order)
-        -> unweighted outputs [n, H] in the same order."""
-        out = torch.empty_like(rows)
-        begin = 0
-        for local, n in enumerate(counts):
-            if n:
-                out[begin:begin + n] = self.expert_ffn(local, rows[begin:begin + n])
-            begin += n
-        return out
+    def forward_rows(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """rows [n, H], each for local expert local_ids[n] (any order) -> unweighted outputs [n, H], same order."""
+        ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+        return fused_moe(rows, local_ids.view(-1, 1), ones, self.gate_up_proj, self.down_proj, alpha=self.alpha,
+                         limit=self.limit, expert_start=0, config=self.config, backend=self.backend)
 
 
 class SparseMoE(nn.Module):
@@ -211,13 +194,10 @@ class SparseMoE(nn.Module):
         recv_splits = [sum(c) for c in per_source]
         token_of_pair = order // k
         received = all_to_all(x[token_of_pair], send_splits, recv_splits, self.ctx, "ep")
-        # regroup what arrived (source-major) by local expert, run each expert once, restore the arrival order
+        # what arrived is source-major; the local expert of each row, then all local experts in one fused call
         expert_of_row = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(ep),
-                                                recv_counts.reshape(-1))
-        by_expert = torch.argsort(expert_of_row, stable=True)
-        outputs = torch.empty_like(received)
-        outputs[by_expert] = self.experts.forward_grouped(received[by_expert],
-                                                          [sum(c[e] for c in per_source) for e in range(per)])
+                                                recv_counts.reshape(-1), output_size=sum(recv_splits))
+        outputs = self.experts.forward_rows(received, expert_of_row)
         returned = all_to_all(outputs, recv_splits, send_splits, self.ctx, "ep")  # back in `order` order
         out = torch.zeros_like(x)
         out.index_add_(0, token_of_pair, returned * weights.reshape(-1)[order, None].to(x.dtype))

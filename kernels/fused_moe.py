@@ -1,0 +1,423 @@
+"""Fused MoE over a rank's local experts: grouped GEMMs over expert-sorted (token, slot) pairs, SwiGLU-OAI fused.
+
+Weights (what msa/moe.py stores): w_gate_up [E, 2I, H] (gate rows, then up rows), w_down [E, H, I]; E = the local
+experts, whose global ids are expert_start .. expert_start + E - 1. Pairs routed to other experts are skipped
+(they contribute nothing: another rank adds them).
+
+Four launches, none of which needs the host to know how many tokens each expert received, so the whole MoE can
+be captured in a CUDA graph at a fixed token count:
+  1. `_align_kernel` (one program): counts the pairs of each local expert, their start in the expert-sorted
+     order, the inclusive prefix sum of each expert's row blocks (cdiv(count, BLOCK_M)), and writes the pairs
+     sorted by expert (stable: by pair index within an expert). No padding is materialised: a block knows its
+     own row count.
+  2. `_gate_up_kernel`: grid (max_blocks, cdiv(I, BLOCK_N)). Program (b, n) finds its expert by counting the
+     block prefix sums <= b (blocks past the last used one exit), gathers the block's token rows of x, runs
+     gate and up tiles over H, applies SwiGLU-OAI in fp32 and stores act [pairs, I] in the input dtype.
+  3. `_down_kernel`: grid (max_blocks, cdiv(H, BLOCK_N)): act rows @ w_down[e]^T, times the pair's routing
+     weight, stored in fp32 at the pair's own row of y [T*k, H].
+  4. `_combine_kernel`: out[t] = sum of the k rows y[t*k + j] whose expert is local, cast to the input dtype.
+     Summing k rows in a fixed order keeps the result deterministic (no atomics) and needs no zeroed buffer.
+max_blocks is a bound computed from the shapes alone: sum_e cdiv(c_e, BM) <= (N + min(E, N) (BM - 1)) / BM.
+
+`fused_moe_ref` is the torch loop (one GEMM pair per expert that received pairs; one host sync).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton import next_pow2, runnable, use_triton
+
+
+# ---- torch reference ------------------------------------------------------------------------------------------
+
+def swiglu_oai_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[..., 2I] (gate columns, then up) -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate,
+    limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    g = gate.clamp(max=limit)
+    u = up.clamp(min=-limit, max=limit)
+    return (u + 1.0) * (g * torch.sigmoid(g * alpha))
+
+
+def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, *, alpha: float, limit: float, expert_start: int = 0,
+                  acc_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H]; topk_ids [T, k] global expert ids; topk_weights [T, k] -> sum over the local experts [T, H].
+
+    The pairs are sorted by expert and each local expert that received pairs runs one GEMM pair over its rows
+    (unweighted output times the weight, added into its token's row). Computed in x's dtype, or in `acc_dtype`
+    (weights upcast one expert at a time) for a more precise reference."""
+    dtype = acc_dtype or x.dtype
+    num_local = w_gate_up.shape[0]
+    k = topk_ids.shape[1]
+    out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+    flat = topk_ids.reshape(-1).to(torch.long) - expert_start
+    # pairs of other ranks' experts go to a bucket past the last local expert and are never run
+    flat = torch.where((flat >= 0) & (flat < num_local), flat, num_local)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_local + 1).tolist()  # the host sync of the reference
+    flat_w = topk_weights.reshape(-1)
+    begin = 0
+    for e, n in enumerate(counts[:num_local]):
+        if n == 0:
+            continue
+        pairs = order[begin:begin + n]
+        begin += n
+        tokens = pairs // k
+        act = swiglu_oai_ref(torch.nn.functional.linear(x[tokens].to(dtype), w_gate_up[e].to(dtype)), alpha, limit)
+        y = torch.nn.functional.linear(act, w_down[e].to(dtype)) * flat_w[pairs, None].to(dtype)
+        out.index_add_(0, tokens, y)
+    return out.to(x.dtype)
+
+
+# ---- Triton kernels -------------------------------------------------------------------------------------------
+
+@triton.jit
+def _align_kernel(ids_ptr, num_pairs, expert_start, counts_ptr, row_start_ptr, block_end_ptr, sorted_ptr,
+                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    real = (experts < E)[None, :]
+    # pass 1: pairs per local expert (a pair outside the range matches no column)
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        local = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_start
+        local = tl.where(p < num_pairs, local, -1)
+        hit = ((local[:, None] == experts[None, :]) & real).to(tl.int32)
+        counts += tl.sum(hit, axis=0)
+    row_end = tl.cumsum(counts, axis=0)
+    block_end = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
+    tl.store(counts_ptr + experts, counts, mask=experts < E)
+    tl.store(row_start_ptr + experts, row_end - counts, mask=experts < E)
+    tl.store(block_end_ptr + experts, block_end, mask=experts < E)
+    # pass 2: each pair's place = its expert's start + pairs of that expert before it (earlier chunks: `base`,
+    # this chunk: the column prefix sum of the one-hot matrix)
+    base = row_end - counts
+    for c0 in range(0, num_pairs, CHUNK):
+        p = c0 + tl.arange(0, CHUNK)
+        local = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_start
+        local = tl.where(p < num_pairs, local, -1)
+        hit = ((local[:, None] == experts[None, :]) & real).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit
+        dest = tl.sum(hit * (base[None, :] + before), axis=1)
+        tl.store(sorted_ptr + dest, p, mask=tl.sum(hit, axis=1) > 0)
+        base += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E: tl.constexpr, E_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Block pid_m -> (expert, first row in the sorted order, rows in the block); expert >= E: unused block."""
+    experts = tl.arange(0, E_PAD)
+    ends = tl.load(block_end_ptr + experts, mask=experts < E, other=2147483647)
+    e = tl.sum((ends <= pid_m).to(tl.int32), axis=0)
+    e_safe = tl.minimum(e, E - 1)
+    first_block = tl.load(block_end_ptr + e_safe - 1, mask=e_safe > 0, other=0)
+    skip = (pid_m - first_block) * BLOCK_M
+    row0 = tl.load(row_start_ptr + e_safe) + skip
+    nrows = tl.minimum(tl.load(counts_ptr + e_safe) - skip, BLOCK_M)
+    return e, row0, nrows
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
+                    H, I, x_st_t, w_st_e, w_st_n, act_st, alpha, limit,
+                    TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
+    if e >= E:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < nrows
+    pair = tl.load(sorted_ptr + row0 + rows, mask=rmask, other=0)
+    token = (pair // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + token[:, None] * x_st_t
+    w_gate = w_ptr + e.to(tl.int64) * w_st_e + cols[:, None].to(tl.int64) * w_st_n
+    w_up = w_gate + I * w_st_n
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        if EVEN_K:
+            x = tl.load(x_rows + kk[None, :], mask=rmask[:, None], other=0.0)
+            wg = tl.load(w_gate + kk[None, :], mask=cmask[:, None], other=0.0)
+            wu = tl.load(w_up + kk[None, :], mask=cmask[:, None], other=0.0)
+        else:
+            kmask = (kk < H)[None, :]
+            x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask, other=0.0)
+            wg = tl.load(w_gate + kk[None, :], mask=cmask[:, None] & kmask, other=0.0)
+            wu = tl.load(w_up + kk[None, :], mask=cmask[:, None] & kmask, other=0.0)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PRECISION)
+    # SwiGLU-OAI in fp32: the gate is clamped above only, the up branch on both sides and shifted by +1
+    g = tl.minimum(acc_g, limit)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    act = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    dst = act_ptr + (row0 + rows)[:, None].to(tl.int64) * act_st + cols[None, :]
+    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
+                 H, I, act_st, w_st_e, w_st_n, y_st,
+                 E: tl.constexpr, E_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
+    if e >= E:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    rmask = rows < nrows
+    pair = tl.load(sorted_ptr + row0 + rows, mask=rmask, other=0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_rows = act_ptr + (row0 + rows)[:, None].to(tl.int64) * act_st
+    w_rows = w_ptr + e.to(tl.int64) * w_st_e + cols[:, None].to(tl.int64) * w_st_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + ks
+        if EVEN_K:
+            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None], other=0.0)
+        else:
+            kmask = (kk < I)[None, :]
+            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask, other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask, other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    weight = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + pair[:, None] * y_st + cols[None, :], acc * weight[:, None],
+             mask=rmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, expert_start, y_st, out_st,
+                    TOP_K: tl.constexpr, E: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        local = tl.load(ids_ptr + t * TOP_K + j).to(tl.int32) - expert_start
+        mine = (local >= 0) & (local < E)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * y_st + cols, mask=cmask & mine, other=0.0)
+    tl.store(out_ptr + t * out_st + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+# ---- launch configuration -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class GemmTile:
+    """One grouped GEMM's tile: BLOCK_N output columns, BLOCK_K reduction step, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """block_m: pair rows per block (an expert with c pairs takes cdiv(c, block_m) blocks of each GEMM)."""
+
+    block_m: int
+    gate_up: GemmTile
+    down: GemmTile
+
+
+def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> MoEConfig:
+    """Decode (a few pairs per expert): 16-row blocks and narrow column tiles, so that the weight stream of
+    even one or four experts spreads over every SM. Prefill (many pairs per expert): taller blocks reuse each
+    weight tile over more rows."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 16:
+        cfg = MoEConfig(block_m=16, gate_up=GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=4),
+                        down=GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=4))
+    elif per_expert <= 64:
+        cfg = MoEConfig(block_m=32, gate_up=GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3),
+                        down=GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3))
+    else:
+        cfg = MoEConfig(block_m=64, gate_up=GemmTile(block_n=64, block_k=64, num_warps=4, num_stages=3),
+                        down=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3))
+    return cfg
+
+
+def _fit(tile: GemmTile, n: int, k: int) -> GemmTile:
+    # small test shapes: no tile wider than the (power-of-two rounded) dimension, never under 16 (tl.dot)
+    return GemmTile(block_n=max(16, min(tile.block_n, next_pow2(n))), block_k=max(16, min(tile.block_k, next_pow2(k))),
+                    num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of sum_e cdiv(count_e, block_m) over any routing of num_pairs pairs to num_experts experts."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Workspace allocation (one place, so tests can poison every workspace buffer)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---- launchers ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Alignment:
+    """Pairs sorted by local expert. counts / row_start / block_end [E] int32 (block_end: inclusive prefix sum of
+    cdiv(count, block_m)); sorted_pairs [T*k] int32: pair indices t*k + j by expert, the first sum(counts)
+    entries valid (the rest are never written)."""
+
+    counts: torch.Tensor
+    row_start: torch.Tensor
+    block_end: torch.Tensor
+    sorted_pairs: torch.Tensor
+    block_m: int
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, expert_start: int = 0) -> Alignment:
+    """Sort the (token, slot) pairs of topk_ids [T, k] by local expert (global id - expert_start in
+    [0, num_experts)), on the device, in one launch, without a host sync."""
+    if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64) or not topk_ids.is_contiguous():
+        raise ValueError(f"moe_align: topk_ids must be a contiguous int [T, k], got {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)} strides {topk_ids.stride()}")
+    dev = topk_ids.device
+    n = topk_ids.numel()
+    counts = _empty((num_experts,), torch.int32, dev)
+    row_start = _empty((num_experts,), torch.int32, dev)
+    block_end = _empty((num_experts,), torch.int32, dev)
+    sorted_pairs = _empty((max(n, 1),), torch.int32, dev)
+    e_pad = next_pow2(num_experts)
+    chunk = max(16, min(128, 8192 // e_pad))
+    runnable(_align_kernel, dev)[(1,)](topk_ids, n, expert_start, counts, row_start, block_end, sorted_pairs,
+                                        E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+    return Alignment(counts=counts, row_start=row_start, block_end=block_end, sorted_pairs=sorted_pairs,
+                     block_m=block_m)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 models are the parity runs: no tf32 there
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, align: Alignment, top_k: int, alpha: float,
+                   limit: float, tile: GemmTile, act: torch.Tensor | None = None) -> torch.Tensor:
+    """act [T*k, I] (rows in the sorted order; rows past sum(counts) unwritten) = SwiGLU-OAI(x rows @ w^T)."""
+    e, two_i, h = w_gate_up.shape
+    inter = two_i // 2
+    n = x.shape[0] * top_k
+    if act is None:
+        act = _empty((n, inter), x.dtype, x.device)
+    tile = _fit(tile, inter, h)
+    grid = (max_blocks(n, e, align.block_m), triton.cdiv(inter, tile.block_n))
+    runnable(_gate_up_kernel, x.device)[grid](
+        x, w_gate_up, act, align.sorted_pairs, align.counts, align.row_start, align.block_end,
+        h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), float(alpha), float(limit),
+        TOP_K=top_k, E=e, E_PAD=next_pow2(e), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return act
+
+
+def launch_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, align: Alignment,
+                tile: GemmTile, y: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T*k, H] fp32: row t*k + j = weight[t, j] * (act row of that pair) @ w_down[e]^T (local pairs only)."""
+    e, h, inter = w_down.shape
+    n = act.shape[0]
+    if y is None:
+        y = _empty((n, h), torch.float32, act.device)
+    tile = _fit(tile, h, inter)
+    grid = (max_blocks(n, e, align.block_m), triton.cdiv(h, tile.block_n))
+    runnable(_down_kernel, act.device)[grid](
+        act, w_down, y, topk_weights, align.sorted_pairs, align.counts, align.row_start, align.block_end,
+        h, inter, act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        E=e, E_PAD=next_pow2(e), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype),
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return y
+
+
+def launch_combine(y: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, expert_start: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """out [T, H] = sum over the local slots j of y [T*k, H] row t*k + j."""
+    t, k = topk_ids.shape
+    h = y.shape[1]
+    block_h = min(1024, next_pow2(h))
+    runnable(_combine_kernel, y.device)[(t, triton.cdiv(h, block_h))](
+        y, topk_ids, out, h, expert_start, y.stride(0), out.stride(0),
+        TOP_K=k, E=num_experts, BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+def _check(x, topk_ids, topk_weights, w_gate_up, w_down, out) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"fused_moe: x must be fp32/fp16/bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"fused_moe: topk_ids must be int [T={t}, k], got {topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: topk_weights must be float {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
+        raise ValueError(f"fused_moe: w_gate_up must be [E, 2I, H={h}], got {tuple(w_gate_up.shape)}")
+    e, two_i, _ = w_gate_up.shape
+    if tuple(w_down.shape) != (e, h, two_i // 2):
+        raise ValueError(f"fused_moe: w_down must be [E, H, I] = {(e, h, two_i // 2)}, got {tuple(w_down.shape)}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"fused_moe: {name} dtype {w.dtype} != x dtype {x.dtype}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype):
+        raise ValueError(f"fused_moe: out must be {x.dtype} {tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
+    devices = {x.device, topk_ids.device, topk_weights.device, w_gate_up.device, w_down.device}
+    if len(devices) != 1:
+        raise ValueError(f"fused_moe: tensors on several devices {sorted(map(str, devices))}")
+
+
+def _strided_ok(x, w_gate_up, w_down, out) -> None:
+    if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1 or (out is not None and out.stride(1) != 1):
+        raise ValueError("fused_moe: x, out and both weights need a unit stride on their last dim")
+
+
+def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
+              w_down: torch.Tensor, *, alpha: float, limit: float, expert_start: int = 0,
+              config: MoEConfig | None = None, out: torch.Tensor | None = None,
+              backend: str | None = None) -> torch.Tensor:
+    """Public launcher: x [T, H]; topk_ids [T, k] global expert ids (distinct per token); topk_weights [T, k];
+    w_gate_up [E, 2I, H]; w_down [E, H, I] for the local experts expert_start .. expert_start + E - 1
+    -> sum_j weight[t, j] * Expert_{ids[t, j]}(x[t]) over the local experts, [T, H] in x's dtype.
+
+    backend None: Triton on CUDA tensors, the torch reference elsewhere; "triton"/"ref" force one (Triton on CPU
+    tensors runs in the interpreter). The Triton path has no host sync: safe inside CUDA-graph capture."""
+    _check(x, topk_ids, topk_weights, w_gate_up, w_down, out)
+    if not use_triton(x.device, backend):
+        res = fused_moe_ref(x, topk_ids, topk_weights, w_gate_up, w_down, alpha=alpha, limit=limit,
+                            expert_start=expert_start)
+        return res if out is None else out.copy_(res)
+    _strided_ok(x, w_gate_up, w_down, out)
+    t, h = x.shape
+    if out is None:
+        out = _empty((t, h), x.dtype, x.device)
+    if t == 0:
+        return out
+    e, two_i, _ = w_gate_up.shape
+    k = topk_ids.shape[1]
+    cfg = config or default_config(t * k, e, h, two_i // 2)
+    ids = topk_ids.contiguous()
+    align = moe_align(ids, e, cfg.block_m, expert_start=expert_start)
+    act = launch_gate_up(x, w_gate_up, align, k, alpha, limit, cfg.gate_up)
+    y = launch_down(act, w_down, topk_weights.contiguous(), align, cfg.down)
+    return launch_combine(y, ids, e, expert_start, out)
+
+
+__all__ = ["fused_moe", "fused_moe_ref", "swiglu_oai_ref", "moe_align", "Alignment", "MoEConfig", "GemmTile",
+           "default_config", "max_blocks", "launch_gate_up", "launch_down", "launch_combine"]
