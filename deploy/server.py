@@ -164,6 +164,7 @@ class EngineServer:
         try:
             from workers.async_engine import AsyncEngine
             from workers.engine import Engine
+            from workers.group import GroupOptions
 
             model_dir = Path(self._model_dir)
             if not model_dir.is_dir() and self._config.model is None:
@@ -173,9 +174,13 @@ class EngineServer:
 
             transfer = engine_transfer_config(self._config) if self._role != "unified" else None
 
+            # a group of several shards reserves the Ray CPUs per shard that the serve config asks for
+            executor = (GroupOptions(num_cpus_per_shard=group.num_cpus_per_shard)
+                        if group.parallel.world_size > 1 else "auto")
+
             def make_engine() -> Engine:
                 return Engine(str(model_dir), engine_config=self._config.engine, parallel=group.parallel,
-                              device=self._config.device, role=self._role, transfer=transfer)
+                              device=self._config.device, role=self._role, transfer=transfer, executor=executor)
 
             self._engine = AsyncEngine(make_engine)
             self._start_metrics()
