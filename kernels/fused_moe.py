@@ -384,7 +384,8 @@ def _check(x, topk_ids, topk_weights, w_gate_up, w_down, out) -> None:
 
 
 def _strided_ok(x, w_gate_up, w_down, out) -> None:
-    if x.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1 or (out is not None and out.stride(1) != 1):
+    strides = [x.stride(1), w_gate_up.stride(2), w_down.stride(2)] + ([out.stride(1)] if out is not None else [])
+    if any(st != 1 for st in strides):
         raise ValueError("fused_moe: x, out and both weights need a unit stride on their last dim")
 
 

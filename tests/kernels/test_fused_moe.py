@@ -246,7 +246,8 @@ def _gpu_routing(t: int, gen: torch.Generator, *, experts: int = E, skew: bool =
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,skew,start,local", [(1, False, 0, E), (16, False, 0, E), (256, False, 0, E),
-                                                 (64, True, 0, E), (200, False, 64, 64), (2048, False, 0, E)])
+                                                 (64, True, 0, E), (200, False, 64, 64), (2048, False, 0, E),
+                                                 (4096, False, 0, E)])
 def test_fused_moe_gpu_real_shapes(real_weights, nan_poison, t, skew, start, local):
     poison_, assert_all_written = nan_poison
     w_gu, w_d = real_weights
@@ -312,3 +313,26 @@ def test_sparse_moe_cuda_fused_equals_loop_tiny():
         moe.experts.backend = "ref"
         loop = moe(x)
     assert _rel(fused, loop) < 1e-5
+
+
+# ---------------------------------------------------------------- the benchmark's CPU path
+
+@on_cpu
+def test_bench_moe_cpu_smoke(tmp_path):
+    # tiny model, the fused kernel through the interpreter inside the model: the plumbing the GPU run relies on
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rc = bench.main(["--device", "cpu", "--tiny", "--batches", "3", "--model-batches", "2", "--context", "40",
+                     "--phases", "layer,model", "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "bench_moe.json").read_text())
+    layer, step = res["layer"][0], res["model"][0]
+    assert layer["B"] == 3 and 2 <= layer["touched_experts"] <= 6 and layer["fused_vs_fp32_rel"] < 1e-5
+    assert step["B"] == 2 and step["fused_vs_loop_logits_rel"] < 1e-5 and step["argmax_agreement"] == 1.0
+    assert step["floor_ms"] > 0 and step["loop_eager_ms"] > 0
