@@ -1,0 +1,128 @@
+"""kernels.page_copy: one launch moving pages of many caches (layers, K/V/index-K families, KV-head slices) to and
+from one flat byte buffer. The Triton kernel runs in the CPU interpreter here and must equal the torch reference
+bitwise; bytes outside the segments (buffer gaps, unlisted pages, heads outside a slice) must stay untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.page_copy import (PageCopyPlan, gather_pages_into, gather_pages_into_ref, page_row_bytes,
+                               scatter_pages_from, scatter_pages_from_ref)
+
+POISON = 0xAB
+
+
+def _caches(seed: int, *, pages=9, page_size=4, heads=3, dim=8, index_dim=8, dtype=torch.bfloat16):
+    """Two layers of K/V [P, ps, H, D] and one index-K [P, ps, Di], random; plus head-slice views of the K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    k = [rnd(pages, page_size, heads, dim) for _ in range(2)]
+    v = [rnd(pages, page_size, heads, dim) for _ in range(2)]
+    ik = rnd(pages, page_size, index_dim)
+    return k, v, ik
+
+
+def _views(k, v, ik, lo=1, hi=3):
+    """Per layer: K and V narrowed to heads [lo, hi) (strided), then the index-K of layer 1 (contiguous)."""
+    return [k[0][:, :, lo:hi], v[0][:, :, lo:hi], k[1][:, :, lo:hi], v[1][:, :, lo:hi], ik]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_runs_layout_and_word_size():
+    k, v, ik = _caches(0)
+    plan = PageCopyPlan(_views(k, v, ik), 5, backend="triton")
+    assert plan.fused and plan.word_dtype == torch.int64  # 2 heads x 8 x 2 B = 32 B runs: 8-byte words
+    assert plan.rows == [4 * 2 * 8 * 2] * 4 + [4 * 8 * 2]
+    odd = _caches(1, dim=3)[0][0][:, :, 1:2]  # runs of 3 bf16 = 6 B: 2-byte words
+    assert PageCopyPlan([odd], 2, backend="triton").word_dtype == torch.int16
+    perm = k[0].permute(0, 2, 1, 3)  # heads outermost within a page: not equal runs at one stride
+    assert not PageCopyPlan([perm[:, :2]], 2, backend="triton").fused
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gather_equals_reference_with_ranges_offsets_and_gaps(dtype):
+    k, v, ik = _caches(2, dtype=dtype)
+    caches = _views(k, v, ik)
+    ids = torch.tensor([7, 0, 3, 8, 2, 5], dtype=torch.int64)
+    ranges = [(0, 6), (0, 6), (2, 6), (1, 4), (4, 6)]  # a chunk cut mid-piece, as plan_chunks does
+    rows = [page_row_bytes(c) for c in caches]
+    offsets, at = [], 16
+    for (lo, hi), row in zip(ranges, rows):
+        offsets.append(at)
+        at += (hi - lo) * row + 24  # gaps that nobody may write
+    want = torch.full((at,), POISON, dtype=torch.uint8)
+    gather_pages_into_ref(caches, ids, want, ranges=ranges, offsets=offsets)
+    got = torch.full((at,), POISON, dtype=torch.uint8)
+    gather_pages_into(caches, ids, got, ranges=ranges, offsets=offsets, backend="triton")
+    assert torch.equal(got, want)
+    # the reference itself: segment 3 holds pages ids[1:4] of V[1] heads 1..2, densely
+    seg = want[offsets[3]:offsets[3] + 3 * rows[3]].view(dtype).view(3, 4, 2, 8)
+    assert torch.equal(_bytes(seg), _bytes(v[1][ids[1:4]][:, :, 1:3]))
+    assert (want[:16] == POISON).all() and (want[offsets[1] - 24:offsets[1]] == POISON).all()
+
+
+def test_scatter_writes_only_the_listed_pages_and_heads():
+    k, v, ik = _caches(3)
+    src_views = _views(k, v, ik)
+    ids_src = torch.tensor([4, 1, 6], dtype=torch.int64)
+    buf = torch.empty(sum(3 * page_row_bytes(c) for c in src_views), dtype=torch.uint8)
+    gather_pages_into(src_views, ids_src, buf, backend="triton")
+
+    dk, dv, dik = _caches(4)  # a different random cache: untouched bytes stay as they were
+    before = [t.clone() for t in dk + dv + [dik]]
+    ids_dst = torch.tensor([8, 2, 5], dtype=torch.int64)
+    scatter_pages_from(_views(dk, dv, dik), ids_dst, buf, backend="triton")
+    for d, s in zip(_views(dk, dv, dik), src_views):
+        assert torch.equal(_bytes(d[ids_dst]), _bytes(s[ids_src]))
+    others = [i for i in range(9) if i not in ids_dst.tolist()]
+    for now, old in zip(dk + dv + [dik], before):
+        assert torch.equal(_bytes(now[others]), _bytes(old[others]))  # unlisted pages
+        if now.dim() == 4:
+            assert torch.equal(_bytes(now[:, :, 0]), _bytes(old[:, :, 0]))  # head 0 is outside the slice
+
+    ref_k, ref_v, ref_ik = [t.clone() for t in before[:2]], [t.clone() for t in before[2:4]], before[4].clone()
+    scatter_pages_from_ref(_views(ref_k, ref_v, ref_ik), ids_dst, buf)
+    assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(dk + dv + [dik], ref_k + ref_v + [ref_ik]))
+
+
+def test_rows_split_over_several_programs_and_narrow_words():
+    """Rows larger than one loop step split over grid z (and a partial last part); 2-byte words on odd dims."""
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(5, 16, 2, 160, generator=gen)  # 20 KiB pages: 2560 words of 8 B -> 3 parts of 1024
+    odd = torch.randn(5, 4, 3, 3, generator=gen).to(torch.bfloat16)[:, :, 1:3]
+    ids = torch.tensor([3, 1], dtype=torch.int64)
+    for caches in ([big], [odd], [big, odd]):
+        plan = PageCopyPlan(caches, 2, backend="triton")
+        assert plan.fused
+        got = torch.full((plan.nbytes,), POISON, dtype=torch.uint8)
+        plan.gather(ids, got)
+        want = torch.full((plan.nbytes,), POISON, dtype=torch.uint8)
+        gather_pages_into_ref(caches, ids, want)
+        assert torch.equal(got, want)
+    assert PageCopyPlan([big], 2, backend="triton").grid == (1, 2, 3)
+    assert PageCopyPlan([odd], 2, backend="triton").word_dtype == torch.int16
+
+
+def test_plan_is_reused_for_other_page_ids_and_checks_inputs():
+    k, v, ik = _caches(6)
+    caches = _views(k, v, ik)
+    plan = PageCopyPlan(caches, 3, backend="triton")
+    for ids in ([0, 1, 2], [8, 7, 6]):
+        t = torch.tensor(ids, dtype=torch.int32)  # int32 ids are accepted
+        got, want = torch.zeros(plan.nbytes, dtype=torch.uint8), torch.zeros(plan.nbytes, dtype=torch.uint8)
+        plan.gather(t, got)
+        gather_pages_into_ref(caches, t, want)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="3 page ids"):
+        plan.gather(torch.tensor([0, 1]), torch.zeros(plan.nbytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="holds"):
+        plan.gather(torch.tensor([0, 1, 2]), torch.zeros(plan.nbytes - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        plan.gather(torch.tensor([0, 1, 2]), torch.zeros(plan.nbytes, dtype=torch.int32))
+    with pytest.raises(ValueError, match="outside"):
+        PageCopyPlan(caches, 3, ranges=[(0, 4)] * 5)
+    empty = PageCopyPlan(caches, 0, backend="triton")  # a zero-page plan moves nothing
+    empty.gather(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8))
