@@ -401,18 +401,14 @@ class Engine:
                 tracked.stats.failure_reason = "transfer"
             self._close_stats(tracked, "abort" if failure is None else "error")
 
-    def _combined(self, transfer_id: str) -> TransferResult:
-        """One request's transfer over every shard of this group."""
-        results = [agent.result(transfer_id) for agent in self.agents]
-        if len(results) == 1:
-            return results[0]
-        failed = [r for r in results if r.state is TransferState.FAILED]
-        state = (TransferState.FAILED if failed else TransferState.DONE
-                 if all(r.state is TransferState.DONE for r in results) else TransferState.TRANSFERRING)
-        return TransferResult(request_id=transfer_id, state=state, settled=all(r.settled for r in results),
-                              reason="; ".join(r.reason for r in failed if r.reason) or None,
-                              num_bytes=sum(r.num_bytes for r in results),
-                              seconds=max(r.seconds for r in results), num_pages=results[0].num_pages)
+    def _combined(self, transfer_ids: list[str]) -> dict[str, TransferResult]:
+        """Each request's transfer over every shard of this group: one `results` call per agent for all of
+        them (a worker group's agent answers them in one round trip per shard)."""
+        if not transfer_ids:
+            return {}
+        per_agent = [agent.results(transfer_ids) for agent in self.agents]
+        return {tid: TransferAgent.combine(tid, [res[i] for res in per_agent])
+                for i, tid in enumerate(transfer_ids)}
 
     def poll_transfers(self) -> list[RequestOutput]:
         """Move disaggregated requests on (non-blocking): free a prefill's pages once its transfer settled or
@@ -420,10 +416,12 @@ class Engine:
         whose KV cannot come. Returns the outputs of requests that started decoding."""
         now = time.monotonic()
         lease = self.transfer_config.lease_s
+        results = self._combined([h.transfer_id for h in self._handoffs.values() if h.sent]
+                                 + [r.transfer_id for r in self._remote.values()])
         for rid, h in list(self._handoffs.items()):
             if not h.sent:
                 continue
-            res = self._combined(h.transfer_id)
+            res = results[h.transfer_id]
             if res.settled:
                 for agent in self.agents:
                     agent.release(h.transfer_id)
@@ -436,7 +434,7 @@ class Engine:
                     agent.abort(h.transfer_id)
         outputs = []
         for rid, r in list(self._remote.items()):
-            res = self._combined(r.transfer_id)
+            res = results[r.transfer_id]
             if r.aborted:
                 if res.settled:
                     self._drop_remote(rid)

@@ -33,7 +33,8 @@ from workers.config import EngineConfig, ParallelConfig
 from workers.engine import Engine
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
-from workers.stats import EngineStats, RequestStats, StepStats
+from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+from workers.transfer import TransferAgent, TransferConfig, TransferResult
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DISPATCH_MODES = ("compiled", "rpc")
@@ -325,6 +326,10 @@ class GroupExecutor:
     def execute(self, batch: StepBatch) -> StepResult:
         return self.group.execute([batch])[0]
 
+    def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list:
+        """The disaggregation end of this group: one agent over all its shards (one tp group)."""
+        return [GroupTransferAgent(self.group.actors, role=role, num_kv_heads=num_kv_heads, config=config)]
+
     def shutdown(self) -> None:
         self.group.shutdown()
 
@@ -347,6 +352,167 @@ def make_group_executor(kind, model_dir: str | Path, *, engine_config: EngineCon
         raise ValueError(f"executor: unknown kind {kind!r} (auto | local | ray)")
     options = kind if isinstance(kind, GroupOptions) else GroupOptions()
     return GroupExecutor(model_dir, engine_config=engine_config, parallel=parallel, device=device, options=options)
+
+
+# ---- KV transfer over a tp group's shards (disaggregation) ------------------------------------------------
+
+def _unwrap(e: BaseException, what: str) -> BaseException:
+    """The error a shard's transfer call raised, as itself (ValueError, KeyError... with their own message),
+    so the engine handles it as it would an in-process agent's; a dead shard becomes a `GroupError`."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, Exception) and not isinstance(e, ray.exceptions.RayActorError):
+        return cause
+    return GroupError(f"{what}: {_cause(e)}")
+
+
+class GroupTransferAgent:
+    """The engine's transfer agent for the shards of one tp group (`ShardWorker` actors sharing page ids):
+    the `TransferAgent` API, every call fanned out to all shards at once, answers combined per request (DONE
+    only when every shard is DONE, FAILED if any failed, bytes summed; `TransferAgent.combine`). Each shard
+    hosts its own `TransferAgent` over its KV pages (its tp rank's heads), so pages never leave the process
+    that holds them: a shard's pairs and sends run there.
+
+    Pairs: `listen` returns every shard's routes and addresses (rank order); `connect` hands the whole list
+    to every shard, and each joins the routes whose source is its tp rank.
+
+    Cost: one round trip per call (the shards answer in parallel). `results` answers every request of an
+    engine poll at once and brings back the stats records settled so far; `pop_stats` gives one record per
+    released transfer (bytes summed over the shards' pairs, seconds the slowest), as an in-process single
+    shard does. Settle listeners cannot cross processes: the engine polls (the AsyncEngine step loop wakes
+    every TRANSFER_POLL_S while transfers are pending), so `add_listener` records nothing.
+    """
+
+    def __init__(self, actors: Sequence, *, role: str, num_kv_heads: int, config: TransferConfig) -> None:
+        self.actors = list(actors)
+        self.role = role
+        self.config = config
+        self.shards = self._fan("kv_init", role, num_kv_heads, config)  # [{"tp", "tp_rank", "host"}]
+        self._records: dict[str, list[TransferStats]] = {}  # per-shard, per-pair records by transfer id
+        self._ready: list[TransferStats] = []  # one combined record per released transfer
+
+    # ---- fan-out --------------------------------------------------------------------------------------------
+    def _fan_each(self, method: str, *args) -> tuple[list, list[BaseException | None]]:
+        """Call `method` on every shard at once; (answers, errors) in rank order. Every call has ended when
+        this returns, so no half-done call is left behind a raised error."""
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        out: list = []
+        errors: list[BaseException | None] = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref))
+                errors.append(None)
+            except Exception as e:
+                out.append(None)
+                errors.append(_unwrap(e, f"rank {rank}: transfer call {method}"))
+        return out, errors
+
+    def _fan(self, method: str, *args) -> list:
+        out, errors = self._fan_each(method, *args)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return out
+
+    # ---- pairs ----------------------------------------------------------------------------------------------
+    def listen(self, group: str, remote_tp: int) -> list:
+        return [x for shard in self._fan("kv_listen", group, remote_tp) for x in shard]
+
+    def connect(self, group: str, listened: Sequence) -> None:
+        self._fan("kv_connect", group, list(listened))
+
+    def wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
+        self._fan("kv_wait_ready", timeout_s, group)
+
+    def drop(self, group: str) -> None:
+        self._fan("kv_drop", group)
+
+    def broken(self, group: str) -> str | None:
+        return next((f"rank {r}: {why}" for r, why in enumerate(self._fan("kv_broken", group)) if why), None)
+
+    def set_faults(self, faults: dict[str, str]) -> None:
+        self._fan("kv_set_faults", dict(faults))
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def prepare(self, transfer_id: str, page_ids: Sequence[int], group: str) -> None:
+        """Every shard expects its heads of the request's KV; if one cannot, the others let go again."""
+        _out, errors = self._fan_each("kv_prepare", transfer_id, list(page_ids), group)
+        if any(errors):
+            self._undo(transfer_id, [r for r, e in enumerate(errors) if e is None])
+            raise next(e for e in errors if e is not None)
+
+    def send(self, transfer_id: str, page_ids: Sequence[int], group: str) -> None:
+        """Every shard sends its routes' heads of the pages (after the step that wrote them). If one shard
+        cannot (no pairs to `group` there), the others' sends are aborted and waited for before this raises,
+        so the caller may free the pages."""
+        _out, errors = self._fan_each("kv_send", transfer_id, list(page_ids), group)
+        if any(errors):
+            self._undo(transfer_id, [r for r, e in enumerate(errors) if e is None])
+            raise next(e for e in errors if e is not None)
+
+    def _undo(self, transfer_id: str, ranks: list[int]) -> None:
+        """Abort the request on these shards, wait until it settled there (bounded), release it."""
+        if not ranks:
+            return
+        actors = [self.actors[r] for r in ranks]
+        settled = ray.get([a.kv_abort.remote(transfer_id) for a in actors])
+        deadline = time.monotonic() + self.config.timeout_s + 1.0
+        while not all(settled) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            settled = [res[0][0].settled for res in ray.get([a.kv_poll.remote([transfer_id]) for a in actors])]
+        for a in actors:
+            try:
+                ray.get(a.kv_release.remote(transfer_id))
+            except Exception:
+                pass  # not settled in time: the shard keeps the bookkeeping; its pages are the caller's problem
+
+    def results(self, transfer_ids: Sequence[str]) -> list[TransferResult]:
+        """Each request's result over all shards: one round trip for all of them."""
+        ids = list(transfer_ids)
+        answers = self._fan("kv_poll", ids)
+        for _results, records in answers:
+            self._keep(records)
+        return [TransferAgent.combine(tid, [results[i] for results, _ in answers]) for i, tid in enumerate(ids)]
+
+    def result(self, transfer_id: str) -> TransferResult:
+        return self.results([transfer_id])[0]
+
+    def abort(self, transfer_id: str) -> bool:
+        """Abort on every shard; True when it is settled on all of them (the pages may be freed)."""
+        return all(self._fan("kv_abort", transfer_id))
+
+    def release(self, transfer_id: str) -> TransferResult:
+        out, errors = self._fan_each("kv_release", transfer_id)
+        done = [x for x in out if x is not None]
+        for _res, records in done:
+            self._keep(records)
+        records = self._records.pop(transfer_id, [])
+        if records:
+            self._ready.append(TransferStats(request_id=transfer_id, num_bytes=sum(s.num_bytes for s in records),
+                                             seconds=max(s.seconds for s in records),
+                                             num_pages=max(s.num_pages for s in records),
+                                             ok=all(s.ok for s in records)))
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return TransferAgent.combine(transfer_id, [res for res, _ in done])
+
+    def _keep(self, records: list[TransferStats]) -> None:
+        for s in records:
+            self._records.setdefault(s.request_id, []).append(s)
+
+    def pop_stats(self) -> list[TransferStats]:
+        out, self._ready = self._ready, []
+        return out
+
+    def transfer_ids(self) -> list[list[str]]:
+        """Per shard, the requests with transfer bookkeeping there (tests: none may be left)."""
+        return self._fan("kv_transfer_ids")
+
+    def add_listener(self, fn) -> None:
+        pass  # settles happen in the shards' processes; the engine polls
+
+    def close(self) -> None:
+        self._fan_each("kv_close")  # a dead shard has nothing left to close
 
 
 # ---- attention data parallel ---------------------------------------------------------------------------------
@@ -373,6 +539,12 @@ class _DPRankExecutor:
     def info(self) -> dict:
         return {**self.engine.group.rank_info[self.dp_rank * self.engine.parallel.tp],
                 "num_pages": self.engine.group.num_pages}
+
+    def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list:
+        """This dp rank's disaggregation end: one agent over its tp group's shards."""
+        tp = self.engine.parallel.tp
+        actors = self.engine.group.actors[self.dp_rank * tp:(self.dp_rank + 1) * tp]
+        return [GroupTransferAgent(actors, role=role, num_kv_heads=num_kv_heads, config=config)]
 
     def execute(self, batch: StepBatch) -> StepResult:
         slot = self.engine._slots[self.dp_rank]
@@ -415,10 +587,10 @@ class DPEngine(Engine):
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: str = "unified",
                  executor=None, transfer=None, **unsupported) -> None:
-        # `transfer` (KV transfer settings) only matters to prefill/decode roles, refused below
-        if role != "unified":
+        if role not in ("unified", "decode"):
             raise NotImplementedError(f"role: {role!r} with dp={parallel.dp} (attention data parallel serves "
-                                      f"unified engines only so far)")
+                                      f"unified and decode engines; a prefill replica with dp would need the "
+                                      f"decode side to listen per prefill dp rank)")
         if unsupported:
             raise NotImplementedError(f"{sorted(unsupported)[0]}: not supported with dp={parallel.dp}")
         if executor == "local":
@@ -434,8 +606,8 @@ class DPEngine(Engine):
         self._slots = [_Slot() for _ in range(parallel.dp)]
         self._pool = ThreadPoolExecutor(max_workers=parallel.dp, thread_name_prefix="dp-core")
         try:
-            self.cores = [Engine(model_dir, engine_config=engine_config, device=device,
-                                 executor=_DPRankExecutor(self, d)) for d in range(parallel.dp)]
+            self.cores = [Engine(model_dir, engine_config=engine_config, device=device, role=role,
+                                 executor=_DPRankExecutor(self, d), transfer=transfer) for d in range(parallel.dp)]
         except BaseException:
             self.group.shutdown()
             self._pool.shutdown()
@@ -447,6 +619,7 @@ class DPEngine(Engine):
         self.num_pages = first.num_pages  # per dp rank
         self.page_size = first.page_size
         self.eos_token_ids = first.eos_token_ids
+        self.transfer_config = first.transfer_config
         self._owner: dict[str, int] = {}  # request id -> its dp rank, while in flight
         self._step_stats: list[StepStats] = []
         self.num_steps = 0
@@ -457,10 +630,13 @@ class DPEngine(Engine):
 
     def least_loaded_rank(self) -> int:
         """The dp rank with the fewest requests in flight (then the most free pages, then the lowest rank)."""
+        return self._ranks_by_load()[0]
+
+    def _ranks_by_load(self) -> list[int]:
         load = [0] * len(self.cores)
         for d in self._owner.values():
             load[d] += 1
-        return min(range(len(self.cores)), key=lambda d: (load[d], -self.cores[d].pages.num_free_pages, d))
+        return sorted(range(len(self.cores)), key=lambda d: (load[d], -self.cores[d].pages.num_free_pages, d))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
@@ -476,6 +652,89 @@ class DPEngine(Engine):
     def abort_request(self, request_id: str) -> bool:
         d = self._owner.pop(request_id, None)
         return d is not None and self.cores[d].abort_request(request_id)
+
+    # ---- disaggregation: decode role ------------------------------------------------------------------------
+    # Each dp rank is its own receiver: its tp group's shards listen for every prefill group, and a request
+    # lands in the pages of the dp rank that admitted it. The prefill side sends it to that dp rank's
+    # sub-group, `TransferAgent.dp_group(<this replica's group name>, dp_rank_of(request_id))`.
+    def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                     group: str, transfer_id: str | None = None, prompt: str | None = None,
+                     arrival_time: float | None = None) -> list[int] | None:
+        """Reserve the prompt's pages on the least loaded dp rank with room (`dp_rank_of` says which); None
+        when no dp rank has room now."""
+        if self.role != "decode":
+            raise ValueError(f"role: only a decode engine admits remote prefills (this one is {self.role})")
+        if request_id in self._owner:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        for d in self._ranks_by_load():
+            pages = self.cores[d].admit_remote(request_id, prompt_token_ids, params, group=group,
+                                               transfer_id=transfer_id, prompt=prompt, arrival_time=arrival_time)
+            if pages is not None:
+                self._owner[request_id] = d
+                return pages
+        return None
+
+    def continue_remote(self, request_id: str, first_token: int,
+                        first_logprobs: dict[int, float] | None = None) -> None:
+        d = self._owner.get(request_id)
+        if d is None:
+            raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
+        self.cores[d].continue_remote(request_id, first_token, first_logprobs)
+
+    def poll_transfers(self) -> list[RequestOutput]:
+        return [out for core in self.cores for out in core.poll_transfers()]
+
+    def kv_listen(self, group: str, remote_tp: int) -> list:
+        """Open the pairs from prefill group `group` into every dp rank's shards; each entry is tagged with
+        its dp rank (the prefill side makes one sub-group per dp rank of it)."""
+        return [({**route, "dp": d}, address) for d, core in enumerate(self.cores)
+                for route, address in core.kv_listen(group, remote_tp)]
+
+    def kv_connect(self, group: str, listened: list) -> None:
+        raise ValueError(f"role: only a prefill engine connects (this one is {self.role})")
+
+    def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
+        for core in self.cores:
+            core.kv_wait_ready(timeout_s, group)
+
+    def kv_drop(self, group: str) -> None:
+        for core in self.cores:
+            core.kv_drop(group)
+
+    def kv_broken(self, group: str) -> str | None:
+        return next((f"dp rank {d}: {why}" for d, core in enumerate(self.cores) if (why := core.kv_broken(group))),
+                    None)
+
+    def set_transfer_faults(self, faults: dict[str, str]) -> None:
+        raise ValueError(f"faults: injected on the sending (prefill) side; this engine is {self.role}")
+
+    def hold_pages(self, num_pages: int) -> int:
+        """Take `num_pages` free pages out of the pools (filling dp ranks in order); 0 gives them back."""
+        for core in self.cores:
+            core.hold_pages(0)
+        free = [core.pages.num_free_pages for core in self.cores]
+        if num_pages > sum(free):
+            raise ValueError(f"num_pages: only {sum(free)} pages are free")
+        left = num_pages
+        for core, n in zip(self.cores, free):
+            take = min(left, n)
+            if take:
+                core.hold_pages(take)
+            left -= take
+        return num_pages
+
+    @property
+    def agents(self) -> list:
+        """Every dp rank's transfer agents, in dp rank order (tests)."""
+        return [a for core in self.cores for a in core.agents]
+
+    def _forget_settled(self) -> None:
+        """Drop the owner of requests a core no longer holds (a remote whose KV never came ends without an
+        output: `pop_failures` reports it)."""
+        for rid, d in list(self._owner.items()):
+            core = self.cores[d]
+            if rid not in core._tracked and rid not in core._remote:
+                del self._owner[rid]
 
     def abort_all(self) -> int:
         n = sum(core.abort_all() for core in self.cores)
@@ -515,6 +774,8 @@ class DPEngine(Engine):
         for out in outputs:
             if out.finished:
                 self._owner.pop(out.request_id, None)
+        if self.role != "unified":
+            self._forget_settled()
         if any(b is not None for b in batches):
             self._record_step(t0, t2 - t1, results)
         return outputs

@@ -49,6 +49,7 @@ class ShardWorker:
         self._store = None
         self._listen_socket: socket.socket | None = None
         self.num_calls = 0  # group steps this rank ran (one Ray call each)
+        self.agent = None  # this shard's KV transfer end (workers.transfer.TransferAgent), prefill/decode roles
         if self.parallel.world_size == 1:
             self.runner = ModelRunner(model_dir, engine_config=engine_config, device=device)
 
@@ -116,6 +117,76 @@ class ShardWorker:
     def ping(self) -> str:
         return "ok"
 
+    # ---- KV transfer (disaggregation): this shard's TransferAgent -----------------------------------------
+    # The pages live in this process, so the agent does too; `workers.group.GroupTransferAgent` fans the
+    # engine's calls out to every shard of a tp group. A send is called after the step that wrote its pages
+    # returned on every rank. These calls run on the actor's own thread, next to a compiled step graph's.
+    def kv_init(self, role: str, num_kv_heads: int, config) -> dict:
+        """Build this shard's agent (replacing one built before). -> {"tp", "tp_rank", "host"}."""
+        from workers.transfer import TransferAgent
+
+        if self.agent is not None:
+            self.agent.close()
+        ctx = self.runner.ctx
+        host = ray.util.get_node_ip_address()
+        self.agent = TransferAgent(self.runner.kv, role=role, num_kv_heads=num_kv_heads, tp=ctx.tp_size,
+                                   tp_rank=ctx.tp_rank, config=config, host=host)
+        return {"tp": ctx.tp_size, "tp_rank": ctx.tp_rank, "host": host}
+
+    def _agent(self):
+        if self.agent is None:
+            raise RuntimeError(f"rank {self.rank}: no KV transfer agent (kv_init first)")
+        return self.agent
+
+    def kv_listen(self, group: str, remote_tp: int) -> list:
+        return self._agent().listen(group, remote_tp)
+
+    def kv_connect(self, group: str, listened: list) -> None:
+        self._agent().connect(group, listened)
+
+    def kv_wait_ready(self, timeout_s: float | None, group: str | None) -> None:
+        self._agent().wait_ready(timeout_s, group)
+
+    def kv_drop(self, group: str) -> None:
+        self._agent().drop(group)
+
+    def kv_broken(self, group: str) -> str | None:
+        return self._agent().broken(group)
+
+    def kv_set_faults(self, faults: dict) -> None:
+        self._agent().set_faults(faults)
+
+    def kv_prepare(self, transfer_id: str, page_ids: list[int], group: str) -> None:
+        self._agent().prepare(transfer_id, page_ids, group)
+
+    def kv_send(self, transfer_id: str, page_ids: list[int], group: str) -> None:
+        self._agent().send(transfer_id, page_ids, group)
+
+    def kv_poll(self, transfer_ids: list[str]) -> tuple[list, list]:
+        """(results of these requests, the stats records settled so far): one round trip per engine poll.
+        The stats are popped after the results, so a request seen settled has its records in this answer."""
+        agent = self._agent()
+        results = agent.results(transfer_ids)
+        return results, agent.pop_stats()
+
+    def kv_abort(self, transfer_id: str) -> bool:
+        return self._agent().abort(transfer_id)
+
+    def kv_release(self, transfer_id: str) -> tuple:
+        """(final result, the stats records settled so far): a released request's records are all in hand."""
+        agent = self._agent()
+        res = agent.release(transfer_id)
+        return res, agent.pop_stats()
+
+    def kv_transfer_ids(self) -> list[str]:
+        """Requests with transfer bookkeeping on this shard (tests: none may be left)."""
+        return [] if self.agent is None else self.agent.transfer_ids()
+
+    def kv_close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
     def stop(self) -> None:
         """Leave the process group cleanly (all ranks call this together)."""
         from msa.parallel import destroy_parallel
@@ -154,6 +225,12 @@ class RayExecutor:
 
     def execute(self, batch: StepBatch) -> StepResult:
         return ray.get(self.actor.execute.remote(batch))
+
+    def transfer_agents(self, role: str, num_kv_heads: int, config) -> list:
+        """The disaggregation end of the lone shard, hosted in its actor."""
+        from workers.group import GroupTransferAgent
+
+        return [GroupTransferAgent([self.actor], role=role, num_kv_heads=num_kv_heads, config=config)]
 
     def shutdown(self) -> None:
         if self.actor is not None:

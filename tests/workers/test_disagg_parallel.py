@@ -1,0 +1,433 @@
+"""Disaggregation across parallel layouts: prefill and decode engines whose worker groups differ (issue 7).
+
+One driver run (this file as a script, in a child process with its own Ray instance on loopback) builds a
+unified single-shard engine (the reference), an in-process prefill and decode engine (tp=1), a prefill engine
+over a tp=2 worker group and a decode engine over a dp=2 worker group (`DPEngine`: one receiving tp group per
+dp rank), all real `ShardWorker` actors with gloo pairs between the shards. Each shard hosts its own
+`TransferAgent`; the engine fans its transfer calls out through `GroupTransferAgent`.
+
+Cases (8 requests in flight together, prompts of 5 to 150 tokens, most past the 64 where the tiny model's
+sparse layers start selecting blocks; greedy, top-5 logprobs):
+  tp2 -> tp1: prefill shard 0 sends KV head 0 and the index-K, shard 1 head 1, into one decode shard;
+  tp1 -> dp2: each request lands on the dp rank that admitted it (least loaded with room);
+  tp2 -> dp2: both at once.
+Each must give the unified engine's tokens and top-5 logprobs (1e-4), one transfer record per request with the
+exact bytes, and leave no page and no transfer bookkeeping on any engine core or shard. Also: a refused
+transfer from the tp2 group (both of its shards' headers), and a client abort on a dp rank after the KV landed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+LENGTHS = [5, 17, 33, 64, 65, 90, 120, 150]
+MAX_TOKENS = [6, 4, 8, 1, 7, 5, 8, 3]
+TOL = 1e-4
+# tiny model, per page: 16 tokens x 4 B x (4 layers x K+V x 2 KV heads x 32 dims + index-K of 3 sparse layers x 32)
+PER_PAGE = 16 * 4 * (4 * 2 * 2 * 32 + 3 * 32)
+CASES = {"tp2->tp1": ("prefill_tp2", "decode_tp1"), "tp1->dp2": ("prefill_tp1", "decode_dp2"),
+         "tp2->dp2": ("prefill_tp2", "decode_dp2")}
+
+
+# ---- the driver (child process) ------------------------------------------------------------------------------
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    return [[rng.randrange(3, 384) for _ in range(n)] for n in LENGTHS]
+
+
+def _params():
+    from workers.request import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=k, logprobs=5, ignore_eos=True) for k in MAX_TOKENS]
+
+
+def _lp(dicts) -> list[dict[str, float]]:
+    return [{str(k): v for k, v in d.items()} for d in dicts]
+
+
+def _handoff_group(decode, d_group: str, rid: str) -> str:
+    """Where the prefill sends a request: the decode group, or with attention DP its admitting dp rank's."""
+    from workers.group import DPEngine
+    from workers.transfer import TransferAgent
+
+    if isinstance(decode, DPEngine):
+        return TransferAgent.dp_group(d_group, decode.dp_rank_of(rid))
+    return d_group
+
+
+def _drive(prefill, decode, until, timeout: float = 90.0, on_first=None) -> dict:
+    """Step both engines (what each server's step thread does) until `until(state)`, passing the first token
+    from prefill to decode (the router's part)."""
+    state = {"out": {}, "first": {}, "outcomes": {}, "failures": {}}
+    deadline = time.monotonic() + timeout
+    while not until(state):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"stuck: {state['outcomes']} {state['failures']}")
+        busy = False
+        if prefill.has_unfinished():
+            for o in prefill.step():
+                busy = True
+                if o.finished:
+                    state["first"][o.request_id] = o
+                    c = o.outputs[0]
+                    if c.finish_reason is None and (on_first is None or on_first(o)):
+                        decode.continue_remote(o.request_id, c.token_ids[0], c.logprobs[0] if c.logprobs else None)
+            state["outcomes"].update({rid: (ok, why) for rid, ok, why in prefill.pop_transfer_outcomes()})
+        if decode.has_unfinished():
+            for o in decode.step():
+                busy = True
+                if o.finished:
+                    state["out"][o.request_id] = o
+            state["failures"].update(dict(decode.pop_failures()))
+        if not busy:
+            time.sleep(0.002)
+    return state
+
+
+def _leftovers(engine) -> dict:
+    """Pages held by each engine core, and transfer bookkeeping left on each shard."""
+    cores = getattr(engine, "cores", [engine])
+    out = {"pages_held": [c.stats().num_pages_total - c.stats().num_pages_free for c in cores],
+           "owners": [len(c.pages.owners()) for c in cores], "unfinished": engine.has_unfinished(),
+           "shard_transfer_ids": []}
+    for agent in engine.agents:
+        ids = agent.transfer_ids()
+        out["shard_transfer_ids"] += ids if ids and isinstance(ids[0], list) else [ids]
+    return out
+
+
+def _run_case(engines: dict, prefill_name: str, decode_name: str, groups: dict, tag: str) -> dict:
+    prefill, decode = engines[prefill_name], engines[decode_name]
+    p_group, d_group = groups[(prefill_name, decode_name)]
+    ids = [f"{tag}-{i}" for i in range(len(LENGTHS))]
+    assignment = {}
+    t0 = time.monotonic()
+    for rid, prompt, sp in zip(ids, _prompts(), _params()):
+        if sp.max_tokens == 1:  # the first token ends it: prefill alone answers, nothing reserved on decode
+            prefill.add_request(rid, prompt, sp, handoff_to=d_group)
+            continue
+        assert decode.admit_remote(rid, prompt, sp, group=p_group) is not None
+        if hasattr(decode, "dp_rank_of"):
+            assignment[rid] = decode.dp_rank_of(rid)
+        prefill.add_request(rid, prompt, sp, handoff_to=_handoff_group(decode, d_group, rid))
+    handed = [rid for rid, k in zip(ids, MAX_TOKENS) if k > 1]
+    st = _drive(prefill, decode, lambda s: set(s["out"]) >= set(handed) and len(s["outcomes"]) == len(handed))
+    seconds = time.monotonic() - t0
+    outputs = {}
+    for i, rid in enumerate(ids):
+        first = st["first"][rid].outputs[0]
+        last = st["out"][rid].outputs[0] if rid in st["out"] else first
+        outputs[str(i)] = {"tokens": last.token_ids, "text": last.text, "finish_reason": last.finish_reason,
+                           "first_token": first.token_ids, "logprobs": _lp(first.logprobs[:1] + last.logprobs[1:])}
+    _settle(prefill, decode)
+    stats = prefill.pop_transfer_stats()
+    return {"outputs": outputs, "outcomes": {r: list(v) for r, v in st["outcomes"].items()},
+            "failures": st["failures"], "assignment": assignment, "seconds": seconds,
+            "stats": [{"request_id": s.request_id, "num_bytes": s.num_bytes, "seconds": s.seconds, "ok": s.ok}
+                      for s in stats],
+            "prefill": _leftovers(prefill), "decode": _leftovers(decode)}
+
+
+def _settle(*engines, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(e.has_unfinished() for e in engines) and time.monotonic() < deadline:
+        for e in engines:
+            if e.has_unfinished():
+                e.step()
+        time.sleep(0.005)
+
+
+def _refused_from_tp2(engines: dict, groups: dict) -> dict:
+    """The tp2 prefill group's headers are corrupted on both shards: the decode shard refuses both, both sides
+    fail the request and free its pages; the pairs stay usable (the next request goes through)."""
+    from workers.request import SamplingParams
+
+    prefill, decode = engines["prefill_tp2"], engines["decode_tp1"]
+    p_group, d_group = groups[("prefill_tp2", "decode_tp1")]
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = _prompts()[5]
+    prefill.set_transfer_faults({"bad": "corrupt_header"})
+    decode.admit_remote("bad", prompt, sp, group=p_group)
+    prefill.add_request("bad", prompt, sp, handoff_to=d_group)
+    st = _drive(prefill, decode, lambda s: "bad" in s["outcomes"] and "bad" in s["failures"])
+    prefill.set_transfer_faults({})
+    out = {"outcome": list(st["outcomes"]["bad"]), "failure": st["failures"]["bad"],
+           "broken": [prefill.kv_broken(d_group), decode.kv_broken(p_group)]}
+    decode.admit_remote("good", prompt, sp, group=p_group)
+    prefill.add_request("good", prompt, sp, handoff_to=d_group)
+    st = _drive(prefill, decode, lambda s: "good" in s["out"])
+    out["after"] = st["out"]["good"].outputs[0].token_ids
+    out["after_outcome"] = list(st["outcomes"]["good"])
+    _settle(prefill, decode)
+    prefill.pop_transfer_stats()
+    out["prefill"], out["decode"] = _leftovers(prefill), _leftovers(decode)
+    return out
+
+
+def _abort_on_dp_rank(engines: dict, groups: dict) -> dict:
+    """A request whose KV landed on a decode dp rank, then the client leaves before decode starts: the abort
+    reaches that dp rank and frees its pages; a request admitted but never prefilled is aborted too."""
+    from workers.request import SamplingParams
+
+    prefill, decode = engines["prefill_tp1"], engines["decode_dp2"]
+    p_group, d_group = groups[("prefill_tp1", "decode_dp2")]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompt = _prompts()[6]
+    decode.admit_remote("never", prompt, sp, group=p_group)  # least loaded: dp rank 0
+    decode.admit_remote("left", prompt, sp, group=p_group)  # dp rank 1
+    ranks = {"never": decode.dp_rank_of("never"), "left": decode.dp_rank_of("left")}
+    prefill.add_request("left", prompt, sp, handoff_to=_handoff_group(decode, d_group, "left"))
+    st = _drive(prefill, decode, lambda s: "left" in s["outcomes"], on_first=lambda o: False)
+    held = _leftovers(decode)["pages_held"]
+    aborted = [decode.abort_request("never"), decode.abort_request("left")]
+    _settle(prefill, decode)
+    prefill.pop_transfer_stats()
+    return {"ranks": ranks, "outcome": list(st["outcomes"]["left"]), "held_before_abort": held,
+            "aborted": aborted, "prefill": _leftovers(prefill), "decode": _leftovers(decode)}
+
+
+def drive(ckpt: str) -> dict:
+    import ray
+    import torch
+
+    from workers.config import EngineConfig, ParallelConfig
+    from workers.engine import Engine
+    from workers.group import GroupOptions
+    from workers.transfer import TransferConfig
+
+    torch.set_num_threads(1)
+    t_start = time.monotonic()
+    ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False,
+             log_to_driver=bool(os.environ.get("M3SERVE_TEST_RAY_LOGS")), configure_logging=False,
+             _node_ip_address="127.0.0.1")
+    ec = EngineConfig(max_model_len=256, num_pages=64, max_num_batched_tokens=128, max_num_seqs=16)
+    cfg = TransferConfig(timeout_s=5.0, receive_timeout_s=60.0, lease_s=60.0)
+    result: dict = {"cases": {}}
+    engines: dict = {}
+    try:
+        unified = Engine(ckpt, engine_config=ec)
+        for i, (p, sp) in enumerate(zip(_prompts(), _params())):
+            unified.add_request(str(i), p, sp)
+        ref = {}
+        while unified.has_unfinished():
+            for o in unified.step():
+                if o.finished:
+                    c = o.outputs[0]
+                    ref[o.request_id] = {"tokens": c.token_ids, "text": c.text, "logprobs": _lp(c.logprobs)}
+        result["unified"] = ref
+        unified.shutdown()
+
+        t = time.monotonic()
+        engines["prefill_tp1"] = Engine(ckpt, engine_config=ec, role="prefill", transfer=cfg)
+        engines["decode_tp1"] = Engine(ckpt, engine_config=ec, role="decode", transfer=cfg)
+        # the tp2 group steps through its compiled graph (transfer calls run beside it on each actor's own
+        # thread); the dp2 group by plain calls (transfer calls queue between steps)
+        engines["prefill_tp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(tp=2), role="prefill",
+                                        transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1))
+        engines["decode_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2), role="decode",
+                                       transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1, dispatch="rpc"))
+        result["start_s"] = time.monotonic() - t
+
+        # pairs, as the router opens them: decode listens (one address per route into its shards), prefill
+        # connects; names are the other side's replica
+        t = time.monotonic()
+        groups = {}
+        for p_name, d_name in CASES.values():
+            p_group, d_group = f"{p_name}#0", f"{d_name}#0"
+            listened = engines[d_name].kv_listen(p_group, 2 if p_name.endswith("tp2") else 1)
+            engines[p_name].kv_connect(d_group, listened)
+            engines[p_name].kv_wait_ready(30, d_group)
+            engines[d_name].kv_wait_ready(30, p_group)
+            groups[(p_name, d_name)] = (p_group, d_group)
+            result.setdefault("listened", {})[f"{p_name}->{d_name}"] = [r for r, _addr in listened]
+        result["pairs_s"] = time.monotonic() - t
+
+        for tag, (p_name, d_name) in CASES.items():
+            result["cases"][tag] = _run_case(engines, p_name, d_name, groups, tag)
+        result["refused"] = _refused_from_tp2(engines, groups)
+        result["abort_dp"] = _abort_on_dp_rank(engines, groups)
+    finally:
+        for e in engines.values():
+            try:
+                e.shutdown()
+            except Exception as exc:  # report, but keep shutting the others down
+                result.setdefault("shutdown_errors", []).append(repr(exc))
+        ray.shutdown()
+    result["driver_s"] = time.monotonic() - t_start
+    return result
+
+
+# ---- the tests (parent process) ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def run(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("disagg-parallel") / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t = time.monotonic()
+    proc = subprocess.run([sys.executable, __file__, str(tiny_ckpt), str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=Path(__file__).resolve().parents[2], env=env)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-8000:]
+    res = json.loads(out.read_text())
+    res["wall_s"] = time.monotonic() - t
+    return res
+
+
+def _assert_no_leftovers(side: dict, where: str) -> None:
+    assert not side["unfinished"], f"{where}: requests left"
+    assert set(side["pages_held"]) == {0} and set(side["owners"]) == {0}, f"{where}: pages held {side}"
+    assert side["shard_transfer_ids"] and all(ids == [] for ids in side["shard_transfer_ids"]), \
+        f"{where}: transfer bookkeeping left {side['shard_transfer_ids']}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mismatched_layouts_equal_unified(run, case):
+    got, ref = run["cases"][case], run["unified"]
+    assert all(ok for ok, _why in got["outcomes"].values()) and not got["failures"], (got["outcomes"],
+                                                                                     got["failures"])
+    assert len(got["outcomes"]) == sum(k > 1 for k in MAX_TOKENS)
+    for i, n in enumerate(LENGTHS):
+        w, g = ref[str(i)], got["outputs"][str(i)]
+        where = f"{case} request {i} (prompt {n})"
+        assert g["first_token"] == w["tokens"][:1], where
+        assert g["tokens"] == w["tokens"] and len(g["tokens"]) == MAX_TOKENS[i], where
+        assert g["text"] == w["text"] and g["finish_reason"] == "length", where
+        for j, (a, b) in enumerate(zip(g["logprobs"], w["logprobs"], strict=True)):
+            assert a.keys() == b.keys(), f"{where} token {j}: top-5 ids {sorted(a)} != {sorted(b)}"
+            worst = max(abs(a[k] - b[k]) for k in a)
+            assert worst <= TOL, f"{where} token {j}: logprob off by {worst:.2e}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_page_and_transfer_freed_on_both_sides(run, case):
+    got = run["cases"][case]
+    p_name, d_name = CASES[case]
+    _assert_no_leftovers(got["prefill"], f"{case} {p_name}")
+    _assert_no_leftovers(got["decode"], f"{case} {d_name}")
+    # one transfer-id list per shard: 2 for a tp2 group or for dp2's two tp groups, 1 in-process
+    assert len(got["prefill"]["shard_transfer_ids"]) == (2 if p_name.endswith("tp2") else 1)
+    assert len(got["decode"]["shard_transfer_ids"]) == (2 if d_name.endswith("dp2") else 1)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_transfer_record_per_request_with_exact_bytes(run, case):
+    """The tp2 prefill's two shards each send part of the heads; their records add up to one per request
+    carrying every byte of the request's pages (what an in-process single shard reports)."""
+    got = run["cases"][case]
+    want = {f"{case}-{i}": -(-n // 16) * PER_PAGE for i, (n, k) in enumerate(zip(LENGTHS, MAX_TOKENS)) if k > 1}
+    assert {s["request_id"]: s["num_bytes"] for s in got["stats"]} == want
+    assert len(got["stats"]) == len(want) and all(s["ok"] and s["seconds"] > 0 for s in got["stats"])
+
+
+def test_routes_follow_plan_routes(run):
+    """tp2 -> tp1: shard 0 sends KV head 0 with the index-K, shard 1 head 1; into dp2 every dp rank gets its
+    own routes (tagged with the dp rank)."""
+    lst = run["listened"]
+    assert [(r["src"], r["dst"], r["head_start"], r["head_end"], r["with_index"])
+            for r in lst["prefill_tp2->decode_tp1"]] == [(0, 0, 0, 1, True), (1, 0, 1, 2, False)]
+    assert [(r["dp"], r["src"], r["head_start"], r["head_end"], r["with_index"])
+            for r in lst["prefill_tp1->decode_dp2"]] == [(0, 0, 0, 2, True), (1, 0, 0, 2, True)]
+    assert [(r["dp"], r["src"], r["head_start"]) for r in lst["prefill_tp2->decode_dp2"]] == [
+        (0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
+
+
+@pytest.mark.parametrize("case", ["tp1->dp2", "tp2->dp2"])
+def test_requests_land_on_both_dp_ranks(run, case):
+    """Least loaded with room: the 7 handed-off requests alternate over the two dp ranks."""
+    ranks = list(run["cases"][case]["assignment"].values())
+    assert ranks == [0, 1, 0, 1, 0, 1, 0], ranks
+
+
+def test_refused_transfer_from_a_tp_group_frees_both_sides(run):
+    r = run["refused"]
+    assert r["outcome"][0] is False and "header mismatch" in r["outcome"][1], r["outcome"]
+    assert "header mismatch" in r["failure"], r["failure"]
+    assert r["broken"] == [None, None]  # refused, not broken: the pairs stay in step
+    assert len(r["after"]) == 3 and r["after_outcome"] == [True, None]
+    _assert_no_leftovers(r["prefill"], "refused prefill_tp2")
+    _assert_no_leftovers(r["decode"], "refused decode_tp1")
+
+
+def test_abort_reaches_the_admitting_dp_rank(run):
+    a = run["abort_dp"]
+    assert a["ranks"] == {"never": 0, "left": 1}
+    assert a["outcome"] == [True, None]  # the KV landed on dp rank 1
+    pages = -(-LENGTHS[6] // 16)
+    assert a["held_before_abort"] == [pages, pages]
+    assert a["aborted"] == [True, True]
+    _assert_no_leftovers(a["prefill"], "abort prefill_tp1")
+    _assert_no_leftovers(a["decode"], "abort decode_dp2")
+
+
+def test_report_timings(run):
+    print(f"\nstart {run['start_s']:.1f} s, pairs {run['pairs_s']:.1f} s, "
+          + ", ".join(f"{c} {v['seconds']:.2f} s" for c, v in run["cases"].items())
+          + f", driver {run['driver_s']:.1f} s, wall {run['wall_s']:.1f} s")
+    assert not run.get("shutdown_errors"), run.get("shutdown_errors")
+
+
+# ---- in process: a prefill shard with no route into a group ------------------------------------------------
+
+def test_prefill_shard_without_routes_has_nothing_to_send():
+    """tp4 prefill of a 2-KV-head model into a tp1 decode: heads come from shards 0 and 2 (each head has two
+    replicas); shards 1 and 3 have no route, so their `send` is DONE at once with no bytes."""
+    import dataclasses
+
+    import torch
+
+    from msa.config import M3Config
+    from msa.kv_cache import KVCache
+    from msa.parallel import ParallelContext
+    from workers.configio import load_yaml, preset_path
+    from workers.transfer import TransferAgent, TransferState, plan_routes
+
+    config = load_yaml(preset_path("models", "tiny"), M3Config)
+    assert config.num_key_value_heads == 2
+    # a stand-in group: only the head split is read (no collective runs here)
+    ctx = dataclasses.replace(ParallelContext.single(), tp_size=4, tp_rank=1, tp_group=object())
+    idle = TransferAgent(KVCache.allocate(config, 4, device="cpu", dtype=torch.float32, ctx=ctx), role="prefill",
+                         num_kv_heads=2, tp=4, tp_rank=1)
+    # what a tp1 decode shard's `listen` returns (the addresses are never dialled: no route starts at rank 1)
+    listened = [(dict(r.__dict__), ("127.0.0.1", 9)) for r in plan_routes(2, 4, 1)]
+    assert [(r["src"], r["head_start"]) for r, _ in listened] == [(0, 0), (2, 1)]
+    try:
+        idle.connect("d#0", listened)
+        assert idle.groups == ["d#0"] and idle.broken("d#0") is None
+        idle.send("t", [0, 1], "d#0")
+        res = idle.results(["t"])[0]
+        assert (res.state, res.settled, res.num_bytes, res.num_pages) == (TransferState.DONE, True, 0, 2)
+        assert idle.transfer_ids() == ["t"]
+        with pytest.raises(ValueError, match="already has a transfer"):
+            idle.send("t", [0, 1], "d#0")
+        assert idle.abort("t") and idle.release("t").state is TransferState.DONE and idle.transfer_ids() == []
+        with pytest.raises(ValueError, match="^group: no pairs to 'x#0'"):
+            idle.send("u", [0], "x#0")
+    finally:
+        idle.close()
+
+
+def test_combine_over_shards():
+    from workers.transfer import TransferAgent, TransferResult, TransferState as S
+
+    def r(state, settled, n=10, why=None):
+        return TransferResult(request_id="x", state=state, settled=settled, reason=why, num_bytes=n, seconds=n / 10,
+                              num_pages=2)
+
+    assert TransferAgent.combine("x", [r(S.DONE, True), r(S.TRANSFERRING, False)]).state is S.TRANSFERRING
+    both = TransferAgent.combine("x", [r(S.DONE, True, 10), r(S.DONE, True, 30)])
+    assert (both.state, both.settled, both.num_bytes, both.seconds) == (S.DONE, True, 40, 3.0)
+    bad = TransferAgent.combine("x", [r(S.FAILED, True, why="a: timeout"), r(S.PENDING, False)])
+    assert (bad.state, bad.settled, bad.reason) == (S.FAILED, False, "a: timeout")
+    assert TransferAgent.combine("x", [r(S.PENDING, False), r(S.PENDING, False)]).state is S.PENDING
+
+
+if __name__ == "__main__":
+    _ckpt, _out = sys.argv[1], Path(sys.argv[2])
+    _out.write_text(json.dumps(drive(_ckpt)))
