@@ -10,8 +10,9 @@ program holds the G query heads of one KV group (they share every K/V tile, so a
 and walks its share of the row's blocks: for sparse layers the selected ids i = s, s + S, ... of
 block_ids[row, kv_head] (ascending, -1 tail), for dense layers the blocks s, s + S, ... up to the row's own block.
 Keys past the row's position are masked token by token. With S > 1 each split leaves a normalised partial and
-its log-sum-exp; `_merge_kernel` combines them (a split with no block leaves lse = -inf and weighs nothing).
-With S = 1 the kernel writes the output directly.
+its log-sum-exp, combined (a split with no block leaves lse = -inf and weighs nothing) either by `_merge_kernel`
+or, for a few splits, by the last program of the (row, KV head) to finish (an atomic arrival counter that the
+merging program resets), which saves the merge launch. With S = 1 the kernel writes the output directly.
 """
 from __future__ import annotations
 
@@ -74,11 +75,12 @@ def _check(q, k_cache, v_cache, row_seq, positions, block_ids) -> None:
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid_ptr, o_ptr, po_ptr, plse_ptr,
                         q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                         bid_st_n, bid_st_h, o_st_n, o_st_h, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h,
-                        qk_scale_log2, num_splits,
+                        qk_scale_log2, num_splits, cnt_ptr,
                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
-                        ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr):
+                        ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRELOAD: tl.constexpr,
+                        FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -97,6 +99,9 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
         kk = tl.arange(0, BLOCK_TOPK)
         ids = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + kk, mask=kk < TOPK, other=-1)
         count = tl.sum((ids >= 0).to(tl.int32), axis=0)
+        if PRELOAD:
+            # the row's page ids in one gather up front: only the K/V tile loads stay on the loop's chain
+            pages = tl.load(pt_ptr + req * pt_st_r + ids, mask=ids >= 0, other=0)
     else:
         count = p // PS + 1
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -105,10 +110,16 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
     for i in range(s, count * SUB, num_splits):
         j = i // SUB
         if SPARSE:
-            b = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + j).to(tl.int64)
+            if PRELOAD:
+                sel = kk == j
+                b = tl.sum(tl.where(sel, ids, 0), axis=0).to(tl.int64)
+                page = tl.sum(tl.where(sel, pages, 0), axis=0).to(tl.int64)
+            else:
+                b = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + j).to(tl.int64)
+                page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
         else:
             b = j
-        page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
+            page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
         tok = (i % SUB) * BLOCK_N + t
         k = tl.load(kc_ptr + page * kc_st_p + tok[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
         v = tl.load(vc_ptr + page * vc_st_p + tok[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
@@ -139,6 +150,40 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
         tl.store(po_ptr + n * po_st_n + heads[:, None] * po_st_h + s * po_st_s + d[None, :], out,
                  mask=(g < G)[:, None])
         tl.store(plse_ptr + n * pl_st_n + heads * pl_st_h + s, lse, mask=g < G)
+        if FOLD_MERGE:
+            # the last split of (row, KV head) to arrive merges the partials (no merge launch). The barrier +
+            # release add publish this program's partial; the counter is reset for the next call.
+            tl.debug_barrier()
+            cnt = cnt_ptr + n * tl.num_programs(1) + kvh
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+            if arrived == num_splits - 1:
+                tl.atomic_xchg(cnt, 0)
+                _merge_group(po_ptr + n * po_st_n, plse_ptr + n * pl_st_n, o_ptr + n * o_st_n, heads, g < G,
+                             po_st_h, po_st_s, pl_st_h, o_st_h, num_splits, D, BLOCK_S)
+
+
+@triton.jit
+def _merge_group(po_row, pl_row, o_row, heads, ok, po_st_h, po_st_s, pl_st_h, o_st_h, num_splits,
+                 D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # heads [BG] of one row: out = sum_s 2^(lse_s - m) part_s / sum_s 2^(lse_s - m). `.cg` reads: the partials
+    # come from other programs of this launch. The split loop is unrolled so its loads are all in flight.
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    lse = tl.load(pl_row + heads[:, None] * pl_st_h + sp[None, :], mask=ok[:, None] & (sp < num_splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")  # [BG, BS]
+    m = tl.max(lse, axis=1)
+    m = tl.where(m > float("-inf"), m, 0.0)
+    total = tl.sum(tl.exp2(lse - m[:, None]), axis=1)
+    acc = tl.zeros([heads.shape[0], D], tl.float32)
+    for s in tl.static_range(BLOCK_S):
+        lse_s = tl.load(pl_row + heads * pl_st_h + s, mask=ok & (s < num_splits), other=float("-inf"),
+                        cache_modifier=".cg")
+        live = lse_s > float("-inf")
+        part = tl.load(po_row + heads[:, None] * po_st_h + s * po_st_s + d[None, :], mask=(ok & live)[:, None],
+                       other=0.0, cache_modifier=".cg")
+        acc += part * tl.exp2(lse_s - m)[:, None]
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o_row + heads[:, None] * o_st_h + d[None, :], out.to(o_row.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -163,19 +208,42 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, p
 _LOG2E = 1.4426950408889634
 # launch options of the decode kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
 ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128}
+# preload None: a sparse program gathers its page ids up front when it reads one tile (H200, B=1: 7.8 vs 8.3 us;
+# with several tiles it costs registers: B=16 31.2 vs 30.0, B=64 75.3 vs 72.1). fold_merge None: the last split
+# of a (row, KV head) merges the partials (no merge launch) up to MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7
+# vs 30.0 us); with more splits one program would merge what the merge kernel spreads over G (B=1, 16 splits:
+# 11.9 vs 8.3 us). True/False force either.
+ATTN_OPTS = {"preload": None, "fold_merge": None}
+MAX_FOLD_SPLITS = 4
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def default_attn_splits(num_rows: int, num_kv_heads: int, max_tiles: int, device: torch.device) -> int:
-    """Splits of the tile axis: rows * kv_heads * splits ~ the SM count (one wave of one CTA per SM, the K/V
-    tiles filling its shared memory; H200 sweep in docs/benchmarks.md), capped by the tiles there are."""
-    want = -(-num_sms(device) // max(num_rows * num_kv_heads, 1))
+def _arrival_counters(n: int, device: torch.device) -> torch.Tensor | None:
+    """A zeroed int32 [>= n] buffer that the kernel leaves zeroed again; None when it would have to be
+    (re)allocated during CUDA-graph capture (the caller then launches the merge kernel). One stream at a time."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def default_attn_splits(num_rows: int, num_kv_heads: int, max_tiles: int, device: torch.device, *,
+                        sparse: bool = False) -> int:
+    """Splits of the tile axis, capped by the tiles there are: rows * kv_heads * splits ~ the SM count for dense
+    layers, ~ 1.5x for sparse ones (H200 sweeps in docs/benchmarks.md; sparse: 16/4/1 splits best at
+    B = 1/16/64 with 4 KV heads and top-16)."""
+    sms = 3 * num_sms(device) // 2 if sparse else num_sms(device)
+    want = -(-sms // max(num_rows * num_kv_heads, 1))
     return max(1, min(want, max_tiles))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                            row_seq: torch.Tensor, positions: torch.Tensor, scale: float,
                            block_ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, fold_merge: bool | None = None,
+                           preload: bool | None = None) -> torch.Tensor:
     """Triton flash-decoding for rows [0, N) of its inputs (shapes as in `paged_attention_ref`); dense when
     block_ids is None. `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
     n, hq, d = q.shape
@@ -195,7 +263,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     launch = dict(ATTN_LAUNCH)
     block_n = min(launch.pop("block_n", ps), ps)
     max_tiles = (topk if sparse else page_tables.shape[1]) * (ps // block_n)
-    splits = num_splits or default_attn_splits(n, hkv, max_tiles, q.device)
+    splits = num_splits or default_attn_splits(n, hkv, max_tiles, q.device, sparse=sparse)
     splits = max(1, min(splits, max_tiles))
     one = splits == 1
     if one:
@@ -211,15 +279,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if sparse and block_ids.stride(-1) != 1:
         raise ValueError("attention: block_ids needs a unit last stride")
     dot_fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+    fold = ATTN_OPTS["fold_merge"] if fold_merge is None else fold_merge
+    if fold is None:
+        fold = sparse and splits <= MAX_FOLD_SPLITS
+    counters = _arrival_counters(n * hkv, q.device) if fold and not one else None
+    pre = ATTN_OPTS["preload"] if preload is None else preload
+    if pre is None:
+        pre = splits >= max_tiles
     runnable(_decode_attn_kernel, q.device)[(n, hkv, splits)](
         q, k_cache, v_cache, page_tables, row_seq, positions, bid, out, po, plse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
         bid_st[0], bid_st[1], out.stride(0), out.stride(1), *po_st, *pl_st,
-        float(scale) * _LOG2E, splits,
+        float(scale) * _LOG2E, splits, counters if counters is not None else plse,
         G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
-        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, **launch)
-    if not one:
+        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, PRELOAD=bool(pre and sparse),
+        FOLD_MERGE=counters is not None, BLOCK_S=max(2, next_pow2(splits)), **launch)
+    if not one and counters is None:
         runnable(_merge_kernel, q.device)[(n, hq)](
             po, plse, out, *po_st, *pl_st, out.stride(0), out.stride(1), splits,
             D=d, BLOCK_S=max(2, next_pow2(splits)), num_warps=4)

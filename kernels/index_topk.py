@@ -11,9 +11,11 @@ Decode path (Triton, two launches): `_index_scores_kernel` on a grid (decode row
 block maxima; split s takes blocks s, s + S, s + 2S, ... of its row, so the work spreads over the splits whatever
 the row's real length is (a batch of 1 at 8.7k tokens keeps 68 programs busy instead of 1). A block maximum is
 written by exactly one program and max is exact, so the scores, hence the selection, do not depend on the split
-count. `_select_topk_kernel` (one program per row and index head) forces the local blocks in and takes the top-k
-by repeated arg-max, whose ties resolve to the lowest index as the reference's stable sort does, then emits the
-chosen ids in ascending order.
+count. The selection forces the local blocks in, takes the top-k in the reference's stable-sort order (higher
+score first, ties to the lower block id) and emits the chosen ids in ascending order. Rows of up to
+RANK_MAX_BLOCKS blocks select by rank (`_select_topk_kernel`: block i is chosen iff fewer than k blocks beat it,
+all compares in parallel); longer rows by k serial arg-max rounds (`_select_rounds_kernel`), cheaper there than
+the O(nb^2) compares.
 """
 from __future__ import annotations
 
@@ -68,12 +70,54 @@ def select_topk_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 @triton.jit
+def _forced_scores(row_ptr, blk, own, local_blocks, ok):
+    """Block scores of one row at block ids `blk` (any shape; row_ptr broadcasts against it): -inf past the own
+    block or where `ok` is false, +inf on the local blocks. `.cg`: the scores may come from other programs of
+    the same launch (fused path), so the read must skip L1."""
+    sc = tl.load(row_ptr + blk, mask=(blk <= own) & ok, other=float("-inf"), cache_modifier=".cg")
+    return tl.where((blk >= own - local_blocks + 1) & (blk <= own) & ok, float("inf"), sc)
+
+
+@triton.jit
+def _select_by_rank(sc_row, out_row, h, h_ok, sc_st_h, out_st_h, own, local_blocks, TOPK: tl.constexpr,
+                    HP: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
+    # heads h [HP] of one row. Block i is chosen iff fewer than TOPK blocks beat it, where j beats i when its
+    # score is higher, or equal with a lower id: the reference's stable-sort order, computed in parallel (no
+    # serial arg-max rounds). O(nb^2) compares: for rows of up to a few hundred blocks.
+    i = tl.arange(0, BLOCK_NB)
+    rows = sc_row + h[:, None] * sc_st_h  # [HP, 1]
+    si = _forced_scores(rows, i[None, :], own, local_blocks, h_ok[:, None])  # [HP, NB]
+    rank = tl.zeros([HP, BLOCK_NB], tl.int32)
+    for j0 in range(0, own + 1, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        sj = _forced_scores(rows, j[None, :], own, local_blocks, h_ok[:, None])  # [HP, BJ]
+        a = si[:, :, None]
+        b = sj[:, None, :]
+        beats = (b > a) | ((b == a) & (j[None, None, :] < i[None, :, None]))
+        rank += tl.sum(beats.to(tl.int32), axis=2)
+    chosen = (rank < TOPK) & (si > float("-inf"))
+    _emit_ascending(out_row + h[:, None] * out_st_h, i[None, :] + 0 * rank, chosen, h_ok, HP, TOPK, BLOCK_K)
+
+
+@triton.jit
+def _emit_ascending(outs, ids, chosen, h_ok, HP: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
+    # ids/chosen [HP, M] in ascending id order: the c-th chosen id goes to slot c, slots past the count get -1
+    slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+    tl.store(outs + slot, ids.to(tl.int32), mask=chosen)
+    count = tl.sum(chosen.to(tl.int32), axis=1)
+    k = tl.arange(0, BLOCK_K)
+    tl.store(outs + k[None, :], tl.full([HP, BLOCK_K], -1, tl.int32),
+             mask=h_ok[:, None] & (k[None, :] >= count[:, None]) & (k[None, :] < TOPK))
+
+
+@triton.jit
 def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
                          q_st_n, q_st_h, kc_st_p, kc_st_o, pt_st_r, sc_st_n, sc_st_h,
                          num_splits, cnt_ptr, out_ptr, out_st_n, out_st_h, local_blocks,
                          HI: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr,
                          DOT_FP32: tl.constexpr, FUSED: tl.constexpr, TOPK: tl.constexpr,
-                         BLOCK_NB: tl.constexpr):
+                         BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
+                         HP: tl.constexpr):
     # program (n, s): decode row n, blocks s, s + S, ... of its request; writes sc[n, :, b] for those blocks
     n = tl.program_id(0)
     s = tl.program_id(1)
@@ -97,39 +141,34 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
         qk = tl.where((b * PS + t)[None, :] <= p, qk, float("-inf"))
         tl.store(sc_ptr + n.to(tl.int64) * sc_st_n + h * sc_st_h + b, tl.max(qk, axis=1), mask=h < HI)
     if FUSED:
-        # the last of the row's programs to arrive selects (saves the selection launch on short rows). The
+        # the last of the row's programs to arrive selects, by rank (no serial rounds), all heads at once. The
         # barrier + release add publish this program's scores; the counter is reset for the next call.
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel")
         if arrived == num_splits - 1:
             tl.atomic_xchg(cnt_ptr + n, 0)
-            own = p // PS
-            bb = tl.arange(0, BLOCK_NB)
-            real = (h < HI)[:, None]
-            sc = tl.load(sc_ptr + n.to(tl.int64) * sc_st_n + h[:, None] * sc_st_h + bb[None, :],
-                         mask=real & (bb <= own)[None, :], other=float("-inf"), cache_modifier=".cg")
-            local = (bb >= own - local_blocks + 1) & (bb <= own)
-            sc = tl.where(local[None, :], float("inf"), sc)
-            chosen = (bb < 0)[None, :] & real
-            for _ in range(TOPK):
-                _, idx = tl.max(sc, axis=1, return_indices=True, return_indices_tie_break_left=True)
-                pick = bb[None, :] == idx[:, None]
-                chosen = chosen | (pick & (sc > float("-inf")))
-                sc = tl.where(pick, float("-inf"), sc)
-            # ascending ids: chosen block b goes to slot rank(b); the slots past the count get -1 (disjoint)
-            rank = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
-            row_out = out_ptr + n.to(tl.int64) * out_st_n + h[:, None] * out_st_h
-            tl.store(row_out + rank, (bb[None, :] + 0 * rank).to(tl.int32), mask=chosen & real)
-            count = tl.sum(chosen.to(tl.int32), axis=1)
-            kk = tl.arange(0, BLOCK_NB)
-            tl.store(row_out + kk[None, :], tl.full([BLOCK_H, BLOCK_NB], -1, tl.int32),
-                     mask=real & (kk[None, :] >= count[:, None]) & (kk[None, :] < TOPK))
+            hs = tl.arange(0, HP)
+            _select_by_rank(sc_ptr + n.to(tl.int64) * sc_st_n, out_ptr + n.to(tl.int64) * out_st_n, hs, hs < HI,
+                            sc_st_h, out_st_h, p // PS, local_blocks, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K)
 
 
 @triton.jit
-def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks,
-                        PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program (n, h): the top-k blocks of decode row n for index head h
+def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks, num_heads,
+                        PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HP: tl.constexpr, BLOCK_J: tl.constexpr):
+    # program (n, hb): the top-k blocks of decode row n for index heads hb*HP, ..., hb*HP + HP - 1
+    n = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HP + tl.arange(0, HP)
+    own = tl.load(pos_ptr + n).to(tl.int64) // PS
+    _select_by_rank(sc_ptr + n * sc_st_n, out_ptr + n * out_st_n, h, h < num_heads, sc_st_h, out_st_h, own,
+                    local_blocks, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K)
+
+
+@triton.jit
+def _select_rounds_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks,
+                          PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr):
+    # top-k by TOPK serial arg-max rounds (ties to the lowest index): O(k * nb), for long rows where the rank
+    # selection's O(nb^2) compares cost more than the rounds' latency
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + n).to(tl.int64)
@@ -139,24 +178,25 @@ def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, ou
     sc = tl.where((b >= own - local_blocks + 1) & (b <= own), float("inf"), sc)
     chosen = b < 0
     for _ in range(TOPK):
-        # arg-max with the lowest index among equal maxima (the reference's stable order)
         _, idx = tl.max(sc, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        hit = (b == idx) & (sc > float("-inf"))  # the arg-max slot, if anything visible is left
-        chosen = chosen | hit
+        chosen = chosen | ((b == idx) & (sc > float("-inf")))
         sc = tl.where(b == idx, float("-inf"), sc)
-    # the i-th chosen id in ascending block order goes to slot i; slots past the count get -1
     rank = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
     k = tl.arange(0, BLOCK_K)
     match = (rank[None, :] == k[:, None]) & chosen[None, :]
     ids = tl.sum(tl.where(match, b[None, :], 0), axis=1)
-    found = tl.sum(match.to(tl.int32), axis=1) > 0
-    ids = tl.where(found, ids, -1)
+    ids = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, ids, -1)
     tl.store(out_ptr + n * out_st_n + h * out_st_h + k, ids.to(tl.int32), mask=k < TOPK)
 
 
-# launch options of the score kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
+# launch options (benchmarks/kernels/bench_decode.py sweeps them on the GPU). SELECT["mode"]: "auto" (rank up to
+# RANK_MAX_BLOCKS blocks, rounds above: H200, 1 x 8.7k 6.5 vs 7.5 us, 16 x 131k 158.9 vs 138.2 us), "rank" or
+# "rounds"; SELECT["heads"]: index heads per rank program.
 SCORE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-TOPK_LAUNCH = {"num_warps": None}  # None: by the block count
+TOPK_LAUNCH = {"num_warps": None}  # None: by the selection and the block count
+SELECT = {"mode": "auto", "heads": 1}
+RANK_MAX_BLOCKS = 256
+_COMPARES = 4096  # elements of one rank-compare tile per program (bounds the registers it takes)
 
 
 def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> int:
@@ -166,22 +206,27 @@ def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> i
     return max(1, min(want, max_blocks))
 
 
-# tables up to this many blocks would select inside the scores kernel (one launch). Off (0): measured slower on
-# the H200 (B=1 x 8.7k: 11.5 vs 8.0 us; B=64: 64.1 vs 44.5 us), the selection state raising every scores program's
-# registers; kept, tested, as `fused=True`, for the next try (docs/benchmarks.md).
+# tables up to this many blocks would select inside the scores kernel (one launch). Off (0): slower on the H200
+# both with the arg-max tail (B=1 x 8.7k: 11.5 vs 8.0 us) and with the rank tail (12.2 vs 6.5 us; B=64: 59.9 vs
+# 43.0): the last program of a row selects for all heads alone, after every other program (docs/benchmarks.md).
 FUSED_MAX_BLOCKS = 0
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _arrival_counters(n: int, device: torch.device) -> torch.Tensor | None:
-    """A zeroed int32 [>= n] buffer that the fused kernel leaves zeroed again; None when it would have to be
-    (re)allocated during CUDA-graph capture (the caller then takes the two-launch path). One stream at a time."""
+    """A zeroed int32 [>= n] buffer that the fused kernels leave zeroed again; None when it would have to be
+    (re)allocated during CUDA-graph capture (the caller then takes the unfused path). One stream at a time."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     return buf
+
+
+def _rank_tiles(heads: int, block_nb: int) -> int:
+    """BLOCK_J of a rank selection: compare tiles [heads, block_nb, BLOCK_J] of about _COMPARES elements."""
+    return max(1, min(block_nb, _COMPARES // (heads * block_nb)))
 
 
 def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores, *, num_kv_splits=None,
@@ -191,10 +236,13 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
     last program of each row also selects (fused)."""
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
-    splits = num_kv_splits or default_kv_splits(n, page_tables.shape[1], q_idx.device)
+    max_pages = page_tables.shape[1]
+    splits = num_kv_splits or default_kv_splits(n, max_pages, q_idx.device)
     dot_fp32 = torch.float32 in (q_idx.dtype, index_k_cache.dtype)
     fused = select_into is not None
     out = select_into if fused else scores
+    block_nb = max(16, next_pow2(max_pages))
+    hp = next_pow2(hi)
     runnable(_index_scores_kernel, q_idx.device)[(n, splits)](
         q_idx, index_k_cache, page_tables, row_seq, positions, scores,
         q_idx.stride(0), q_idx.stride(1), index_k_cache.stride(0), index_k_cache.stride(1), page_tables.stride(0),
@@ -202,32 +250,44 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
         counters if fused else scores, out, out.stride(0) if fused else 0, out.stride(1) if fused else 0,
         local_blocks,
         HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, FUSED=fused, TOPK=max(topk, 1),
-        BLOCK_NB=max(16, next_pow2(page_tables.shape[1])) if fused else 16, **SCORE_LAUNCH)
+        BLOCK_NB=block_nb if fused else 16, BLOCK_J=_rank_tiles(hp, block_nb) if fused else 1,
+        BLOCK_K=max(16, next_pow2(topk)), HP=hp, **SCORE_LAUNCH)
 
 
-def select_topk(scores, positions, out, topk, local_blocks, page_size):
+def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=None):
     """scores [N, Hi, max_pages] -> out [N, Hi, topk] int32 (ascending ids, -1 tail, local blocks forced)."""
     n, hi, max_pages = scores.shape
     block_nb = max(16, next_pow2(max_pages))
-    # one warp per selection while the row fits in a few registers per lane: the 16 arg-max rounds are then
-    # shuffles only, no shared-memory round trips (H200: 1 warp best up to 128 blocks, 4 warps at 1024)
-    runnable(_select_topk_kernel, scores.device)[(n, hi)](
-        scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
-        PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=max(16, next_pow2(topk)),
-        num_warps=TOPK_LAUNCH.get("num_warps") or (1 if block_nb <= 256 else 4))
+    block_k = max(16, next_pow2(topk))
+    mode = mode or SELECT["mode"]
+    if mode == "auto":
+        mode = "rank" if block_nb <= RANK_MAX_BLOCKS else "rounds"
+    if mode == "rounds":
+        # one warp while the row fits in a few registers per lane: the rounds are then shuffles only
+        runnable(_select_rounds_kernel, scores.device)[(n, hi)](
+            scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
+            PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k,
+            num_warps=TOPK_LAUNCH.get("num_warps") or (1 if block_nb <= 256 else 4))
+        return
+    hp = min(next_pow2(hi), SELECT["heads"])
+    runnable(_select_topk_kernel, scores.device)[(n, -(-hi // hp))](
+        scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks, hi,
+        PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, HP=hp, BLOCK_J=_rank_tiles(hp, block_nb),
+        num_warps=TOPK_LAUNCH.get("num_warps") or 4)
 
 
 def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
                       row_seq: torch.Tensor, positions: torch.Tensor, topk: int, local_blocks: int, *,
                       out: torch.Tensor | None = None, num_kv_splits: int | None = None,
-                      scores: torch.Tensor | None = None, fused: bool | None = None) -> torch.Tensor:
+                      scores: torch.Tensor | None = None, fused: bool | None = None,
+                      select_mode: str | None = None) -> torch.Tensor:
     """Triton decode path for rows [0, N) of its inputs (any rows work; shapes as in `index_topk_ref`).
 
     `out` [N, Hi, topk] int32 may be a view (the decode suffix of a mixed batch); `scores` [N, Hi, max_pages]
     fp32 an optional scratch buffer (a graph-stable one). No host syncs, fixed grid for fixed shapes.
     fused None: one launch (selection by each row's last program) when the table has <= FUSED_MAX_BLOCKS
-    blocks (default 0: never), else scores then selection; True/False force it (fused needs topk <= the
-    power-of-two block width).
+    blocks, else scores then selection; True/False force it (fused needs topk <= the power-of-two block width).
+    `select_mode` picks the separate selection kernel (see SELECT).
     """
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
@@ -243,8 +303,7 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
     if scores is None:
         scores = torch.empty((n, hi, max_pages), dtype=torch.float32, device=q_idx.device)
     counters = None
-    if (fused if fused is not None else max_pages <= FUSED_MAX_BLOCKS) and max(16, next_pow2(topk)) <= max(
-            16, next_pow2(max_pages)):
+    if fused if fused is not None else max_pages <= FUSED_MAX_BLOCKS:
         counters = _arrival_counters(n, q_idx.device)
     if counters is not None:
         index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
@@ -253,7 +312,7 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
     else:
         index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
                            num_kv_splits=num_kv_splits)
-        select_topk(scores, positions, out, topk, local_blocks, ps)
+        select_topk(scores, positions, out, topk, local_blocks, ps, mode=select_mode)
     return out
 
 

@@ -98,6 +98,11 @@ def page_sets(num_sets, lens, pool_pages, gen):
     return sets
 
 
+INDEX_VARIANTS = {  # name -> (fused, select mode): scores kernel + selection kernel, or selection in its tail
+    "rounds": (False, "rounds"), "rank": (False, "rank"), "fused": (True, None)}
+DEADLINE = [float("inf")]  # time.time() after which sweeps stop (a device call has a hard limit)
+
+
 def bench_index(batch, length, gen, log):
     lens = lengths(batch, length, gen)
     pages_per_call = sum(-(-n // PS) for n in lens)
@@ -111,49 +116,47 @@ def bench_index(batch, length, gen, log):
     qs = [torch.randn(batch, HI, DI, device="cuda", dtype=torch.bfloat16) for _ in range(num_sets)]
     maxp = tables[0].shape[1]
     base = itk.default_kv_splits(batch, maxp, torch.device("cuda"))
-    results = []
-    for splits, (warps, stages), topk_warps in itertools.product(sorted({max(1, base // 2), base, base * 2}),
-                                                                 [(4, 2), (4, 3), (4, 4)], [1, 2, 4]):
-        itk.TOPK_LAUNCH.update(num_warps=topk_warps)
-        itk.SCORE_LAUNCH.update(num_warps=warps, num_stages=stages)
-        calls = [lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1, num_kv_splits=splits,
-                                            fused=False) for i in range(num_sets)]
+    wants = [itk.index_topk_ref(qs[i], cache, tables[i], row_seq, pos, TOPK, 1) for i in range(min(2, num_sets))]
+
+    def timed(name, splits=None, stages=3):
+        fused, mode = INDEX_VARIANTS[name]
+        itk.SCORE_LAUNCH.update(num_warps=4, num_stages=stages)
+        calls = [lambda i=i: itk.index_topk_decode(qs[i], cache, tables[i], row_seq, pos, TOPK, 1,
+                                                   num_kv_splits=splits, fused=fused, select_mode=mode)
+                 for i in range(num_sets)]
+        entry = {"op": "index", "B": batch, "L": length, "variant": name, "splits": splits or base, "stages": stages}
         try:
-            us = graph_time_us(calls)
-        except Exception as e:  # a launch option the chip cannot take (shared memory): record and go on
-            log.append({"op": "index", "B": batch, "L": length, "splits": splits, "warps": warps,
-                        "stages": stages, "topk_warps": topk_warps, "error": repr(e)[:200]})
+            ok = all(torch.equal(calls[i](), w) and torch.equal(calls[i](), w) for i, w in enumerate(wants))
+            entry.update(us=graph_time_us(calls), correct=ok)
+        except Exception as e:  # a launch option the chip cannot take: record and go on
+            entry.update(error=repr(e)[:300])
+        finally:
+            itk.SCORE_LAUNCH.update(num_warps=4, num_stages=3)
+        log.append(entry)
+        return entry
+
+    names = [v for v in INDEX_VARIANTS if not (v != "rounds" and maxp > 256)]
+    variants = {name: timed(name) for name in names}
+    good = [e for e in variants.values() if "us" in e and e["correct"]]
+    best = min(good, key=lambda e: e["us"])
+    sweep = [best]
+    for splits, stages in itertools.product(sorted({max(1, base // 2), base, min(maxp, base * 2)}), (2, 3, 4)):
+        if time.time() > DEADLINE[0] or (splits, stages) == (base, 3):
             continue
-        results.append((us, splits, warps, stages, topk_warps))
-        log.append({"op": "index", "B": batch, "L": length, "splits": splits, "warps": warps, "stages": stages,
-                    "topk_warps": topk_warps, "us": us})
-    us, splits, warps, stages, topk_warps = min(results)
-    itk.SCORE_LAUNCH.update(num_warps=warps, num_stages=stages)
-    itk.TOPK_LAUNCH.update(num_warps=topk_warps)
-    # the two launches apart: where the time goes
-    scores = [torch.empty(batch, HI, maxp, device="cuda") for _ in range(num_sets)]
-    outs = [torch.empty(batch, HI, TOPK, device="cuda", dtype=torch.int32) for _ in range(num_sets)]
-    score_us = graph_time_us([lambda i=i: itk.index_block_scores(qs[i], cache, tables[i], row_seq, pos, scores[i],
-                                                                 num_kv_splits=splits) for i in range(num_sets)])
-    select_us = graph_time_us([lambda i=i: itk.select_topk(scores[i], pos, outs[i], TOPK, 1, PS)
-                               for i in range(num_sets)])
-    got = itk.index_topk(qs[0], cache, tables[0], row_seq, pos, TOPK, 1, num_kv_splits=splits)
-    want = itk.index_topk_ref(qs[0], cache, tables[0], row_seq, pos, TOPK, 1)
-    ok = bool(torch.equal(got, want))
-    itk.SCORE_LAUNCH.update(num_warps=4, num_stages=3)
-    itk.TOPK_LAUNCH.update(num_warps=None)
-    shipped = graph_time_us([lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1)
-                             for i in range(num_sets)])
-    two_launch = graph_time_us([lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1, fused=False)
-                                for i in range(num_sets)])
-    got = itk.index_topk(qs[1 % num_sets], cache, tables[1 % num_sets], row_seq, pos, TOPK, 1)
-    ok = ok and bool(torch.equal(got, itk.index_topk_ref(qs[1 % num_sets], cache, tables[1 % num_sets], row_seq,
-                                                         pos, TOPK, 1)))
+        e = timed(best["variant"], splits, stages)
+        if "us" in e and e["correct"]:
+            sweep.append(e)
+    top = min(sweep, key=lambda e: e["us"])
+    # the launcher with no options (the shipped defaults)
+    calls = [lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1) for i in range(num_sets)]
+    shipped_ok = all(torch.equal(calls[i](), w) for i, w in enumerate(wants))
+    shipped = graph_time_us(calls)
     floor = batch * length * DI * 2 / HBM * 1e6
-    return dict(op="index", B=batch, L=length, us=shipped, best_us=us, floor_us=floor, bytes=call_bytes,
-                config=f"splits={splits} w={warps} st={stages} topk_w={topk_warps} "
-                       f"[scores {score_us:.1f} + select {select_us:.1f}; shipped 2-launch {two_launch:.1f}]",
-                default_splits=base, correct=ok, sets=num_sets, score_us=score_us, select_us=select_us)
+    vs = " ".join(f"{k}={e['us']:.1f}{'' if e.get('correct') else '(WRONG)'}" for k, e in variants.items() if "us" in e)
+    return dict(op="index", B=batch, L=length, us=shipped, best_us=top["us"], floor_us=floor, bytes=call_bytes,
+                config=f"best {top['variant']} splits={top['splits']} st={top['stages']} | {vs}",
+                default_splits=base, correct=shipped_ok and all(e.get("correct", True) for e in variants.values()),
+                sets=num_sets, variants={k: e.get("us") for k, e in variants.items()})
 
 
 def random_selection(batch, lens, gen):
@@ -166,6 +169,9 @@ def random_selection(batch, lens, gen):
         k = min(TOPK, nb)
         out[r, :, :k] = sc.topk(k, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
     return out.cuda()
+
+
+ATTN_VARIANTS = {"merge": (False, False), "fold": (True, False), "pre": (False, True), "fold+pre": (True, True)}
 
 
 def bench_attention(kind, batch, length, gen, log):
@@ -183,42 +189,58 @@ def bench_attention(kind, batch, length, gen, log):
     qs = [torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(num_sets)]
     sels = [random_selection(batch, lens, gen) for _ in range(num_sets)] if sparse else [None] * num_sets
     max_blocks = TOPK if sparse else tables[0].shape[1]
-    base = attention.default_attn_splits(batch, HKV, max_blocks, torch.device("cuda"))
+    base = attention.default_attn_splits(batch, HKV, max_blocks, torch.device("cuda"), sparse=sparse)
     scale = D ** -0.5
-
-    def run(i, splits):
-        if sparse:
-            return attention.sparse_attention(qs[i], kc, vc, tables[i], row_seq, pos, sels[i], scale,
-                                              num_splits=splits)
-        return attention.dense_attention(qs[i], kc, vc, tables[i], row_seq, pos, scale, num_splits=splits)
-
-    results = []
-    split_opts = {max(1, base // 2), base, min(max_blocks, base * 2), 1}
-    configs = [(4, 2, 128), (4, 3, 128), (4, 2, 64), (4, 3, 64), (4, 4, 64), (8, 3, 64)]
-    split_opts = sorted(split_opts | {2 * x for x in split_opts})
-    for splits, (warps, stages, block_n) in itertools.product(split_opts, configs):
-        attention.ATTN_LAUNCH.update(num_warps=warps, num_stages=stages, block_n=block_n)
-        try:
-            us = graph_time_us([lambda i=i: run(i, splits) for i in range(num_sets)])
-        except Exception as e:
-            log.append({"op": kind, "B": batch, "L": length, "splits": splits, "warps": warps, "stages": stages,
-                        "block_n": block_n, "error": repr(e)[:200]})
-            continue
-        results.append((us, splits, warps, stages, block_n))
-        log.append({"op": kind, "B": batch, "L": length, "splits": splits, "warps": warps, "stages": stages,
-                    "block_n": block_n, "us": us})
-    us, splits, warps, stages, block_n = min(results)
-    attention.ATTN_LAUNCH.update(num_warps=warps, num_stages=stages, block_n=block_n)
-    got = run(0, splits)
     want = attention.paged_attention_ref(qs[0], kc, vc, tables[0], row_seq, pos, scale, sels[0])
-    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    attention.ATTN_LAUNCH.update(num_warps=4, num_stages=3, block_n=128)
+
+    def run(i, splits, fold=None, pre=None):
+        return attention.paged_decode_attention(qs[i], kc, vc, tables[i], row_seq, pos, scale, sels[i],
+                                                num_splits=splits, fold_merge=fold, preload=pre)
+
+    def timed(name, splits=None, cfg=(4, 3, 128)):
+        fold, pre = ATTN_VARIANTS[name]
+        warps, stages, block_n = cfg
+        attention.ATTN_LAUNCH.update(num_warps=warps, num_stages=stages, block_n=block_n)
+        entry = {"op": kind, "B": batch, "L": length, "variant": name, "splits": splits or base, "warps": warps,
+                 "stages": stages, "block_n": block_n}
+        try:
+            a, b = run(0, splits, fold, pre), run(0, splits, fold, pre)
+            rel = ((a.float() - want.float()).norm() / want.float().norm()).item()
+            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre) for i in range(num_sets)]),
+                         rel_err=rel, correct=rel < 1e-2 and bool(torch.equal(a, b)))
+        except Exception as e:
+            entry.update(error=repr(e)[:300])
+        finally:
+            attention.ATTN_LAUNCH.update(num_warps=4, num_stages=3, block_n=128)
+        log.append(entry)
+        return entry
+
+    names = list(ATTN_VARIANTS) if sparse else ["merge", "fold"]
+    variants = {name: timed(name) for name in names}
+    good = [e for e in variants.values() if "us" in e and e["correct"]]
+    best = min(good, key=lambda e: e["us"])
+    sweep = [best]
+    split_opts = sorted({1, max(1, base // 2), base, min(max_blocks * 2, base + 1), min(max_blocks * 2, base * 2),
+                         min(max_blocks * 2, base * 4)})
+    configs = [(4, 3, 128), (4, 2, 64), (4, 3, 64), (4, 4, 64)] if sparse else [(4, 3, 128), (4, 3, 64)]
+    for splits, cfg in itertools.product(split_opts, configs):
+        if time.time() > DEADLINE[0] or (splits, cfg) == (base, (4, 3, 128)):
+            continue
+        e = timed(best["variant"], splits, cfg)
+        if "us" in e and e["correct"]:
+            sweep.append(e)
+    top = min(sweep, key=lambda e: e["us"])
     shipped = graph_time_us([lambda i=i: run(i, None) for i in range(num_sets)])
+    got = run(0, None)
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     eff = min(length, TOPK * PS) if sparse else length
     floor = batch * HKV * eff * D * 2 * 2 / HBM * 1e6
-    return dict(op=kind, B=batch, L=length, us=shipped, best_us=us, floor_us=floor, bytes=read,
-                config=f"splits={splits} w={warps} st={stages} tile={block_n}", default_splits=base, correct=rel < 1e-2,
-                rel_err=rel, sets=num_sets)
+    vs = " ".join(f"{k}={e['us']:.1f}{'' if e.get('correct') else '(WRONG)'}" for k, e in variants.items() if "us" in e)
+    return dict(op=kind, B=batch, L=length, us=shipped, best_us=top["us"], floor_us=floor, bytes=read,
+                config=f"best {top['variant']} splits={top['splits']} w={top['warps']} st={top['stages']} "
+                       f"tile={top['block_n']} | {vs}", default_splits=base,
+                correct=rel < 1e-2 and all(e.get("correct", True) for e in variants.values()),
+                rel_err=rel, sets=num_sets, variants={k: e.get("us") for k, e in variants.items()})
 
 
 def bench_write(tokens, gen):
@@ -247,7 +269,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="one shape per op")
+    ap.add_argument("--budget", type=float, default=float("inf"), help="seconds after which sweeps stop")
+    ap.add_argument("--skip-dense", action="store_true")
     args = ap.parse_args()
+    DEADLINE[0] = time.time() + args.budget
     gen = torch.Generator().manual_seed(0)
     log, rows = [], []
     t0 = time.time()
@@ -256,7 +281,7 @@ def main() -> int:
     if args.quick:
         index_shapes, attn_shapes = index_shapes[:1], attn_shapes[:1]
     jobs = [(bench_index, (b, length, gen, log)) for b, length in index_shapes]
-    jobs += [(bench_attention, (kind, b, length, gen, log)) for kind in ("sparse", "dense") for b, length in attn_shapes]
+    jobs += [(bench_attention, (kind, b, length, gen, log)) for kind in ("sparse",) + (() if args.skip_dense else ("dense",)) for b, length in attn_shapes]
     jobs += [(bench_write, (t, gen)) for t in (1, 16, 64)]
     for fn, fn_args in jobs:
         try:
@@ -265,6 +290,9 @@ def main() -> int:
         except Exception:  # keep the other shapes' numbers; the traceback goes to the log
             traceback.print_exc()
         torch.cuda.empty_cache()
+        if args.out:  # partial results survive a timeout
+            with open(args.out, 'w') as f:
+                json.dump({'rows': rows, 'sweep': log}, f, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,

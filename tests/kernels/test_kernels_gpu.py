@@ -63,11 +63,13 @@ def test_index_topk_gpu(paged_case, batch, length, rows_per_request):
     q = torch.randn(n, HI, DI, device="cuda").bfloat16()
     args = (q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, TOPK, 1)
     want = itk.index_topk_ref(*args)
-    for splits, fused in ((1, None), (4, True), (None, True), (None, False)):
-        got = itk.index_topk(*args, num_kv_splits=splits, fused=fused)
-        assert torch.equal(got, want), (splits, fused)
-    # the fused path's arrival counters are left at zero: a second call sees the same result
-    assert torch.equal(itk.index_topk(*args, fused=True), want)
+    for splits, fused, mode in ((1, None, None), (4, True, None), (None, True, None), (None, False, "rank"),
+                                (None, False, "rounds"), (3, False, "rank")):
+        got = itk.index_topk_decode(*args, num_kv_splits=splits, fused=fused, select_mode=mode)
+        assert torch.equal(got, want), (splits, fused, mode)
+    # the fused path's arrival counters are left at zero: repeated calls see the same result
+    for _ in range(3):
+        assert torch.equal(itk.index_topk(*args, fused=True), want)
 
 
 @pytest.mark.parametrize("batch,length,rows_per_request", [(1, 3000, 1), (16, 8700, 1), (4, 9000, 3)])
@@ -81,8 +83,15 @@ def test_attention_gpu(paged_case, batch, length, rows_per_request):
     want = attention.paged_attention_ref(*args, D ** -0.5, block_ids)
     for splits in (1, 5, None):
         assert _rel(attention.sparse_attention(*args, block_ids, D ** -0.5, num_splits=splits), want) < 1e-2
+    for splits, fold, pre in ((5, True, False), (None, True, True), (16, True, True), (None, False, True)):
+        # the merge folded into the last split is deterministic: repeated calls are bitwise equal
+        got = [attention.paged_decode_attention(*args, D ** -0.5, block_ids, num_splits=splits, fold_merge=fold,
+                                                preload=pre) for _ in range(3)]
+        assert _rel(got[0], want) < 1e-2, (splits, fold, pre)
+        assert all(torch.equal(g, got[0]) for g in got), (splits, fold, pre)
     want = attention.paged_attention_ref(*args, D ** -0.5)
     assert _rel(attention.dense_attention(*args, D ** -0.5), want) < 1e-2
+    assert _rel(attention.paged_decode_attention(*args, D ** -0.5, fold_merge=True, num_splits=7), want) < 1e-2
     # mixed batch: the first row goes through the reference path, the rest through the kernel
     assert _rel(attention.dense_attention(*args, D ** -0.5, num_prefill_rows=1), want) < 1e-2
 

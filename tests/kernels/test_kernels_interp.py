@@ -97,9 +97,9 @@ _LENS = [7, 3 * PS, 5 * PS + 3]
 _ROWS = [(0, 6), (1, 3 * PS - 1), (1, 3 * PS - 2), (2, 5 * PS + 2), (2, 4 * PS + 1), (2, PS)]
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused,mode", [(True, None), (False, "rank"), (False, "rounds")])
 @pytest.mark.parametrize("splits", [1, 2, 5, None])
-def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, fused, nan_poison):
+def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, fused, mode, nan_poison):
     poison_, _ = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=4)
     q = torch.randn(len(_ROWS), 3, DI, generator=torch.Generator().manual_seed(5))
@@ -107,7 +107,7 @@ def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, fused, 
         want = itk.index_topk_ref(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local)
         out = poison_(torch.empty(len(_ROWS), 3, topk, dtype=torch.int32))
         itk.index_topk_decode(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local,
-                              out=out, num_kv_splits=splits, fused=fused)
+                              out=out, num_kv_splits=splits, fused=fused, select_mode=mode)
         assert torch.equal(out, want), (topk, local)
     assert (want == -1).any() and (want >= 0).any()  # the case covers padding and real picks
 
@@ -121,15 +121,32 @@ def test_index_topk_ties_go_to_the_lower_block(paged_case):
     q = torch.ones(2, 2, DI)
     q[1, 1] = torch.randint(-1, 2, (DI,), generator=gen).float()
     want = itk.index_topk_ref(q, ikc, case.page_tables, case.row_seq, case.positions, 4, 1)
-    for fused in (True, False):
-        got = itk.index_topk(q, ikc, case.page_tables, case.row_seq, case.positions, 4, 1, backend="triton",
-                             num_kv_splits=3, fused=fused)
-        assert torch.equal(got, want)
+    for fused, mode in ((True, None), (False, "rank"), (False, "rounds")):
+        got = itk.index_topk_decode(q, ikc, case.page_tables, case.row_seq, case.positions, 4, 1,
+                                    num_kv_splits=3, fused=fused, select_mode=mode)
+        assert torch.equal(got, want), (fused, mode)
     all_ones = torch.ones_like(ikc)
     want = itk.index_topk_ref(q, all_ones, case.page_tables, case.row_seq, case.positions, 4, 1)
     got = itk.index_topk(q, all_ones, case.page_tables, case.row_seq, case.positions, 4, 1, backend="triton")
     assert torch.equal(got, want)
     assert want[0, 0].tolist() == [0, 1, 2, 9]  # every score equal: lowest ids, plus the forced own block
+
+
+def test_index_rank_selection_several_heads_per_program(paged_case, nan_poison):
+    # one rank program for 2 of 3 heads (the third program half empty), local blocks forced, rows shorter than k
+    poison_, _ = nan_poison
+    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=18)
+    q = torch.randn(len(_ROWS), 3, DI, generator=torch.Generator().manual_seed(19))
+    args = (q, case.index_k_cache, case.page_tables, case.row_seq, case.positions)
+    itk.SELECT["heads"] = 2
+    try:
+        for topk, local in ((4, 2), (2, 3)):
+            want = itk.index_topk_ref(*args, topk, local)
+            out = poison_(torch.empty(len(_ROWS), 3, topk, dtype=torch.int32))
+            itk.index_topk_decode(*args, topk, local, out=out, num_kv_splits=2, select_mode="rank")
+            assert torch.equal(out, want), (topk, local)
+    finally:
+        itk.SELECT["heads"] = 1
 
 
 def test_index_topk_mixed_batch_and_fp16(paged_case):
@@ -148,8 +165,9 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("fold,preload", [(None, None), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, nan_poison):
+def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=10)
     gen = torch.Generator().manual_seed(11)
@@ -161,13 +179,15 @@ def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, nan_
                                          case.positions, 0.3, block_ids)
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
-                                     0.3, block_ids, out=out, num_splits=splits)
+                                     0.3, block_ids, out=out, num_splits=splits, fold_merge=fold, preload=preload)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
+    counters = attention._COUNTERS.get(out.device)  # the merging programs reset their arrival counters
+    assert counters is None or int(counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("splits", [1, 3, None])
-def test_dense_attention_matches_ref(paged_case, splits, nan_poison):
+@pytest.mark.parametrize("splits,fold", [(1, None), (3, None), (None, None), (3, True)])
+def test_dense_attention_matches_ref(paged_case, splits, fold, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=12)
     q = torch.randn(len(_ROWS), 4 * HKV, D, generator=torch.Generator().manual_seed(13))
@@ -175,7 +195,7 @@ def test_dense_attention_matches_ref(paged_case, splits, nan_poison):
                                          case.positions, 0.25)
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
-                                     0.25, out=out, num_splits=splits)
+                                     0.25, out=out, num_splits=splits, fold_merge=fold)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
 
