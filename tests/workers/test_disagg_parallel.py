@@ -2,9 +2,10 @@
 
 One driver run (this file as a script, in a child process with its own Ray instance on loopback) builds a
 unified single-shard engine (the reference), an in-process prefill and decode engine (tp=1), a prefill engine
-over a tp=2 worker group and a decode engine over a dp=2 worker group (`DPEngine`: one receiving tp group per
-dp rank), all real `ShardWorker` actors with gloo pairs between the shards. Each shard hosts its own
-`TransferAgent`; the engine fans its transfer calls out through `GroupTransferAgent`.
+over a tp=2 worker group and a decode engine over a dp=2 ep=2 worker group (`DPEngine`: one receiving tp group
+per dp rank; the experts split over both dp ranks, so they step in lockstep), all real `ShardWorker` actors with
+gloo pairs between the shards. Each shard hosts its own `TransferAgent`; the engine fans its transfer calls out
+through `GroupTransferAgent`.
 
 Cases (8 requests in flight together, prompts of 5 to 150 tokens, most past the 64 where the tiny model's
 sparse layers start selecting blocks; greedy, top-5 logprobs):
@@ -232,7 +233,9 @@ def drive(ckpt: str) -> dict:
         # thread); the dp2 group by plain calls (transfer calls queue between steps)
         engines["prefill_tp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(tp=2), role="prefill",
                                         transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1))
-        engines["decode_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2), role="decode",
+        # ep=2 spans both dp ranks: they step in lockstep, a dp rank whose requests still wait for their KV
+        # runs empty forwards beside the other's decodes
+        engines["decode_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2), role="decode",
                                        transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1, dispatch="rpc"))
         result["start_s"] = time.monotonic() - t
 
