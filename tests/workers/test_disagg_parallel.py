@@ -195,6 +195,17 @@ def _abort_on_dp_rank(engines: dict, groups: dict) -> dict:
             "aborted": aborted, "prefill": _leftovers(prefill), "decode": _leftovers(decode)}
 
 
+def _poll_round_trip_ms(engine, n: int = 30) -> float:
+    """What one engine poll of a tp2 group's transfers costs (both shards answer in parallel): median ms."""
+    agent = engine.agents[0]
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        agent.results([])
+        times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[n // 2]
+
+
 def drive(ckpt: str) -> dict:
     import ray
     import torch
@@ -255,6 +266,7 @@ def drive(ckpt: str) -> dict:
 
         for tag, (p_name, d_name) in CASES.items():
             result["cases"][tag] = _run_case(engines, p_name, d_name, groups, tag)
+        result["poll_ms"] = _poll_round_trip_ms(engines["prefill_tp2"])
         result["refused"] = _refused_from_tp2(engines, groups)
         result["abort_dp"] = _abort_on_dp_rank(engines, groups)
     finally:
@@ -372,7 +384,8 @@ def test_abort_reaches_the_admitting_dp_rank(run):
 def test_report_timings(run):
     print(f"\nstart {run['start_s']:.1f} s, pairs {run['pairs_s']:.1f} s, "
           + ", ".join(f"{c} {v['seconds']:.2f} s" for c, v in run["cases"].items())
-          + f", driver {run['driver_s']:.1f} s, wall {run['wall_s']:.1f} s")
+          + f", driver {run['driver_s']:.1f} s, wall {run['wall_s']:.1f} s; tp2 transfer poll "
+          f"{run['poll_ms']:.2f} ms")
     assert not run.get("shutdown_errors"), run.get("shutdown_errors")
 
 
