@@ -4,14 +4,18 @@ What travels, for one request: its pages of every layer, K and V (the KV-head ra
 index-K of sparse layers (one head, replicated on every tp rank, so exactly one route per receiving shard carries
 it). Pages are matched by position: page `page_ids[i]` on the sender lands in `page_ids[i]` on the receiver.
 
-How it travels, per request and pair (one worker thread per pair on each side, so messages of different
-requests never interleave and both sides post them in the same order):
+How it travels, per request and pair (posted in one order on both sides, so messages of different requests
+never interleave):
   1. sender: header (JSON: request id, page count, layers, head range, dims, dtype, chunk cap) -> store key h<seq>
+     (the one store message of a transfer; the receiving pair thread is already blocked on that key)
   2. sender: gathers the pages of all layers and both families into a few contiguous staging buffers, each at
-     most `max_chunk_bytes` (one large message moves ~15x faster than 1 MiB ones on NCCL, PERF.md), and sends
-     them point-to-point right behind the header; receiver: reads the header, checks it against what it
-     prepared, receives the chunks and scatters each into its own page ids.
-  3. receiver: status (ok / reason) -> store key s<seq>; the sender's transfer is DONE when it reads "ok".
+     most `max_chunk_bytes` (one large message moves ~15x faster than 1 MiB ones on NCCL, PERF.md), with ONE copy
+     launch per chunk (kernels.page_copy), sends them point-to-point right behind the header and posts the
+     receive of the status; all of it from the caller's thread when the pair is idle (no thread hand-off before
+     the bytes move). Receiver: reads the header, checks it against what it prepared, receives the chunks and
+     scatters each into its own page ids (one launch per chunk, queued behind the receive on the copy stream).
+  3. receiver: status (ok / reason, a 512-byte tensor) -> sender over the backend; the sender's pair thread sees
+     it and the sender's op is DONE.
 A header that does not match (unknown or aborted request, wrong page count, head range, dims or dtype) is not
 an error of the wire: the receiver drains the payload into scratch memory, so the pair stays in step, and both
 sides end FAILED with the reason. A timeout or a dead peer in the middle of a payload breaks the pair: the
@@ -28,20 +32,23 @@ import json
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kernels.paged_kv import scatter_pages
+from kernels.page_copy import PageCopyPlan
 from msa.kv_cache import KVCache
 from workers.stats import TransferStats
 from workers.transport import PairChannel, PeerGone, TransferError, TransferTimeout, poll_until
 
 _CLOSE = b"__close__"
 _HEADER_VERSION = 1
+_STATUS_BYTES = 512  # the receiver's answer: one small message on the backend (reason text included)
+_STATUS_OK, _STATUS_REFUSED = 0x4F, 0x52
+_LAYOUTS_KEPT = 32  # chunk/copy plans kept per pair (one per page count seen recently)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,10 +226,11 @@ def chunk_nbytes(chunk: list[Segment], page_bytes: Sequence[int]) -> int:
     return last.offset + (last.page_hi - last.page_lo) * page_bytes[last.piece]
 
 
-def _words_sum(buf: torch.Tensor) -> int:
-    """A cheap checksum of a uint8 staging buffer: the sum of its 32-bit (or byte) words."""
+def _words_sum(buf: torch.Tensor) -> torch.Tensor:
+    """A cheap checksum of a uint8 staging buffer: the sum of its 32-bit (or byte) words, as a 0-d int64 tensor
+    on the buffer's device (no host sync: the sender ships its sums as one more message)."""
     words = buf.view(torch.int32) if buf.numel() % 4 == 0 else buf
-    return int(words.sum(dtype=torch.int64).item())
+    return words.sum(dtype=torch.int64)
 
 
 # ---- bookkeeping shared by both ends ----------------------------------------------------------------------
@@ -241,6 +249,7 @@ class _Op:
     num_bytes: int = 0
     aborted: bool = False
     ready_event: Any = None  # sender on CUDA: the caller's stream has produced the pages by then
+    marks: dict[str, float] = field(default_factory=dict)  # phase name -> time.monotonic() (see TransferResult)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +267,11 @@ class TransferResult:
     num_bytes: int = 0
     seconds: float = 0.0
     num_pages: int = 0
+    # when each phase ended, time.monotonic() (system-wide: comparable between processes of one host); the
+    # latest over the pairs. Sender: called (send), header (header in the store), posted (payload and status
+    # receive posted), acked (status read). Receiver: header (header read), posted (receives and scatters
+    # queued), landed (pages written).
+    marks: Mapping[str, float] = field(default_factory=dict)
 
 
 class _Endpoint:
@@ -368,9 +382,13 @@ class _Endpoint:
         ends = [op.finished for op in ops.values() if op.finished is not None]
         seconds = (max(ends) - min(starts)) if starts and ends and all(s.final for s in states) else 0.0
         reason = "; ".join(f"{op.peer}: {op.reason}" for op in failed) or None
+        marks: dict[str, float] = {}
+        for op in ops.values():
+            for k, t in op.marks.items():
+                marks[k] = max(t, marks.get(k, t))
         return TransferResult(request_id=request_id, state=state, settled=all(s.final for s in states),
                               reason=reason, num_bytes=sum(op.num_bytes for op in ops.values()), seconds=seconds,
-                              num_pages=next(iter(ops.values())).page_ids.numel())
+                              num_pages=next(iter(ops.values())).page_ids.numel(), marks=marks)
 
     def state(self, request_id: str) -> TransferState:
         with self._cond:
@@ -488,7 +506,7 @@ class _Endpoint:
 
 
 class _PairWorker:
-    """The thread that owns one pair channel's data plane."""
+    """The thread that owns one pair channel: it opens it, then runs the side's loop (see the subclasses)."""
 
     def __init__(self, end: _Endpoint, name: str, channel: PairChannel, route: Route) -> None:
         self.end, self.name, self.channel, self.route = end, name, channel, route
@@ -498,6 +516,7 @@ class _PairWorker:
         self._stopping = False
         self.thread = threading.Thread(target=self._main, name=f"kv-{end.role}-{name}", daemon=True)
         self._stream = None
+        self._layouts: OrderedDict[tuple, _Layout] = OrderedDict()
 
     def start(self) -> None:
         self.thread.start()
@@ -531,8 +550,20 @@ class _PairWorker:
             self.channel.abort()
         self.end._peer_broken(self.name, why)
 
+    def _fail(self, op: _Op, exc: BaseException) -> None:
+        """Mid-payload (wire or device error): the pair is out of step now; the op ends FAILED."""
+        if not isinstance(exc, TransferError):
+            exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
+        self._break(str(exc))
+        self.end._finish(op, TransferState.FAILED, str(exc))
+
     def _on_stream(self):
-        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        if self._stream is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()  # the caller's thread may have another current device
+        stack.enter_context(torch.cuda.device(self.end.device))
+        stack.enter_context(torch.cuda.stream(self._stream))
+        return stack
 
     def _settle_stream(self, deadline: float) -> None:
         """CUDA: wait (keeping the deadline) until the side stream ran everything queued so far."""
@@ -542,34 +573,124 @@ class _PairWorker:
         ev.record(self._stream)
         poll_until(ev.query, deadline, "device copies")
 
+    def _layout(self, header: KVHeader) -> _Layout:
+        """The chunk plan of a header and one copy plan per chunk (this end's cache views), kept for reuse: a
+        request of the same page count and head range moves the same way (no table upload, no planning)."""
+        key = (header.num_pages, header.head_start, header.head_end, header.index_layers, header.max_chunk_bytes)
+        lay = self._layouts.get(key)
+        if lay is not None:
+            self._layouts.move_to_end(key)
+            return lay
+        pieces = header.pieces()
+        page_bytes = [p[2] for p in pieces]
+        chunks = plan_chunks(page_bytes, header.num_pages, header.max_chunk_bytes)
+        plans = []
+        with self._on_stream():
+            for chunk in chunks:
+                views = [self.end._cache_view(pieces[s.piece][0], pieces[s.piece][1], header.head_start,
+                                              header.head_end) for s in chunk]
+                plans.append(PageCopyPlan(views, header.num_pages, ranges=[(s.page_lo, s.page_hi) for s in chunk],
+                                          offsets=[s.offset for s in chunk]))
+        lay = _Layout(sizes=[chunk_nbytes(c, page_bytes) for c in chunks], plans=plans)
+        self._layouts[key] = lay
+        if len(self._layouts) > _LAYOUTS_KEPT:
+            self._layouts.popitem(last=False)
+        return lay
+
+
+@dataclass(frozen=True)
+class _Layout:
+    sizes: list[int]  # bytes of each chunk (= message)
+    plans: list[PageCopyPlan]  # one gather/scatter launch per chunk
+
+
+def _encode_status(ok: bool, reason: str | None, device: torch.device) -> torch.Tensor:
+    """The receiver's answer as a fixed-size uint8 tensor: tag byte, reason length (2 bytes LE), reason."""
+    text = (reason or "").encode()[:_STATUS_BYTES - 3]
+    raw = bytes([_STATUS_OK if ok else _STATUS_REFUSED, len(text) & 0xFF, len(text) >> 8]) + text
+    buf = torch.zeros(_STATUS_BYTES, dtype=torch.uint8)
+    buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf.to(device)
+
+
+def _decode_status(buf: torch.Tensor) -> tuple[bool, str]:
+    raw = buf.cpu().numpy().tobytes()
+    if raw[0] not in (_STATUS_OK, _STATUS_REFUSED):
+        raise TransferError("internal", f"undecodable status from the receiver {raw[:16]!r}")
+    return raw[0] == _STATUS_OK, raw[3:3 + raw[1] + (raw[2] << 8)].decode(errors="replace")
+
 
 # ---- sender -------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class _Flight:
+    """One request on one pair, posted (or being posted) on the wire by the sender."""
+
+    op: _Op
+    layout: _Layout
+    deadline: float
+    checksum: bool
+    next_chunk: int = 0
+    sends: deque = field(default_factory=deque)  # (work, staging buffer) not known complete yet
+    sums: torch.Tensor | None = None  # [chunks] int64 on the device, when checksums travel
+    sums_posted: bool = False
+    ack: tuple | None = None  # (work, status buffer): the receiver's answer, posted after the payload
+
+
+class _Slot:
+    """A place in the pair's queue for a transfer the caller's thread is posting right now (keeps FIFO order)."""
+
+    def __init__(self) -> None:
+        self.posted = threading.Event()
+        self.flight: _Flight | None = None
+
+
 class _SendWorker(_PairWorker):
+    """Posting happens in the caller's thread when the pair is idle (`submit`: header, gathers, sends, the status
+    receive; no thread hand-off before the bytes move); the pair's thread then waits for the status and settles
+    the op, and it posts whatever arrives while the pair is busy, in order, or chunks beyond the in-flight cap."""
+
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.queue: queue.Queue[_Op | None] = queue.Queue()
+        self.queue: queue.Queue = queue.Queue()  # _Op to post, _Slot being posted by a caller, None = stop
+        self._lock = threading.Lock()
+        self._active = 0  # items submitted and not finished: posting inline is only allowed when 0
 
     def stop(self) -> None:
         super().stop()
         self.queue.put(None)
 
+    def submit(self, op: _Op) -> None:
+        op.marks["called"] = time.monotonic()
+        with self._lock:
+            self._active += 1
+            inline = self._active == 1 and self.ready.is_set() and self.broken is None
+            slot = _Slot() if inline else None
+            self.queue.put(slot if inline else op)
+        if inline:
+            try:
+                slot.flight = self._post(op)
+            finally:
+                slot.posted.set()
+
     def _loop(self) -> None:
         while True:
-            op = self.queue.get()
-            if op is None:
+            item = self.queue.get()
+            if item is None:
                 if not self.broken:
                     with contextlib.suppress(TransferError):
                         self.channel.put(f"h{self.seq}", _CLOSE)
                 return
-            if self.broken:
-                self.end._finish(op, TransferState.FAILED, f"pair_broken: {self.broken}")
-                continue
-            with self.end._cond:
-                if op.state is not TransferState.PENDING:  # aborted while queued
-                    continue
-                op.state, op.started = TransferState.TRANSFERRING, time.monotonic()
-                self.end._cond.notify_all()
-            self._transfer(op)
+            try:
+                if isinstance(item, _Slot):
+                    item.posted.wait()
+                    flight = item.flight
+                else:
+                    flight = self._post(item)
+                if flight is not None:
+                    self._complete(flight)
+            finally:
+                with self._lock:
+                    self._active -= 1
 
     def _header(self, op: _Op) -> KVHeader:
         r, end = self.route, self.end
@@ -582,70 +703,107 @@ class _SendWorker(_PairWorker):
                         element_size=end.kv.k[0].element_size(), max_chunk_bytes=end.config.max_chunk_bytes,
                         checksum=end.config.verify_checksum)
 
-    def _gather(self, header: KVHeader, pieces, chunk: list[Segment], page_bytes, ids: torch.Tensor) -> torch.Tensor:
-        """Copy the chunk's page rows straight into one staging buffer (uint8, [nbytes])."""
-        buf = torch.empty(chunk_nbytes(chunk, page_bytes), dtype=torch.uint8, device=self.end.device)
-        for seg in chunk:
-            family, layer, row = pieces[seg.piece]
-            src = self.end._cache_view(family, layer, header.head_start, header.head_end)
-            n = seg.page_hi - seg.page_lo
-            dst = buf[seg.offset:seg.offset + n * row].view(self.end.dtype).view(n, *src.shape[1:])
-            # index_select writes into the staging slice directly, also from a head-narrowed (strided) cache;
-            # kernels.paged_kv.gather_pages returns a fresh tensor, which would cost one more copy of the payload
-            torch.index_select(src, 0, ids[seg.page_lo:seg.page_hi], out=dst)
-        return buf
-
-    def _transfer(self, op: _Op) -> None:
+    def _post(self, op: _Op) -> _Flight | None:
+        """Header, then the first chunks (up to the in-flight cap) and, when they are all, the status receive.
+        Returns None when the op ended here (aborted while queued, broken pair, a failure while posting)."""
+        with self.end._cond:
+            if op.state is not TransferState.PENDING:  # aborted while queued, or failed fast
+                return None
+            op.state, op.started = TransferState.TRANSFERRING, time.monotonic()
+            self.end._cond.notify_all()
+        if self.broken:
+            self.end._finish(op, TransferState.FAILED, f"pair_broken: {self.broken}")
+            return None
         cfg = self.end.config
-        header = self._header(op)
-        pieces = header.pieces()
-        page_bytes = [p[2] for p in pieces]
-        chunks = plan_chunks(page_bytes, header.num_pages, header.max_chunk_bytes)
-        deadline = time.monotonic() + cfg.timeout_s
-        seq = self.seq
         try:
-            self.channel.put(f"h{seq}", header.encode(), tag=op.request_id)
-        except TransferError as exc:
-            self._break(str(exc))
-            self.end._finish(op, TransferState.FAILED, str(exc))
-            return
+            header = self._header(op)
+            layout = self._layout(header)
+        except Exception as exc:
+            self._fail(op, exc)
+            return None
+        try:
+            self.channel.put(f"h{self.seq}", header.encode(), tag=op.request_id)
+        except TransferError as exc:  # nothing was posted: the store (listener) is gone
+            self._fail(op, exc)
+            return None
         self.seq += 1
         op.num_bytes = header.total_bytes()
+        op.marks["header"] = time.monotonic()
+        flight = _Flight(op=op, layout=layout, deadline=op.started + cfg.timeout_s, checksum=header.checksum)
         try:
-            sums = []
             with self._on_stream():
-                if op.ready_event is not None:
+                if op.ready_event is not None:  # the pages were written on the caller's stream
                     self._stream.wait_event(op.ready_event)
-                inflight: deque = deque()
-                for i, chunk in enumerate(chunks):
-                    if len(inflight) >= cfg.max_inflight_chunks:
-                        self.channel.wait_work(inflight.popleft()[0], deadline, "send")
-                    buf = self._gather(header, pieces, chunk, page_bytes, op.page_ids)
-                    if header.checksum:
-                        sums.append(_words_sum(buf))
-                    inflight.append((self.channel.send(buf, tag=op.request_id), buf))
-                if header.checksum:
-                    self.channel.put(f"c{seq}", json.dumps(sums).encode(), tag=op.request_id)
-            # the receiver's status implies every send completed; waiting for it first saves a polling round
-            status = json.loads(self.channel.get(f"s{seq}", deadline - time.monotonic()))
-            while inflight:
-                self.channel.wait_work(inflight.popleft()[0], deadline, "send")
-        except Exception as exc:  # mid-payload (wire or device error): the pair is out of step now
-            if not isinstance(exc, TransferError):
-                exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
-            self._break(str(exc))
-            self.end._finish(op, TransferState.FAILED, str(exc))
+                if flight.checksum:
+                    flight.sums = torch.empty(len(layout.sizes), dtype=torch.int64, device=self.end.device)
+                self._post_chunks(flight, block=False)
+        except Exception as exc:
+            self._fail(op, exc)
+            return None
+        op.marks["posted"] = time.monotonic()
+        return flight
+
+    def _gather(self, flight: _Flight, i: int) -> torch.Tensor:
+        """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA."""
+        buf = torch.empty(flight.layout.sizes[i], dtype=torch.uint8, device=self.end.device)
+        flight.layout.plans[i].gather(flight.op.page_ids, buf)
+        return buf
+
+    def _post_chunks(self, flight: _Flight, *, block: bool) -> None:
+        """Post the next chunks; at the in-flight cap stop (block=False) or wait for the oldest send (True).
+        After the last chunk: the checksums (if any), then the status receive."""
+        cfg, n = self.end.config, len(flight.layout.sizes)
+        rid = flight.op.request_id
+        while flight.next_chunk < n:
+            if len(flight.sends) >= cfg.max_inflight_chunks:
+                if not block:
+                    return
+                self.channel.wait_work(flight.sends.popleft()[0], flight.deadline, "send")
+            i = flight.next_chunk
+            buf = self._gather(flight, i)
+            if flight.checksum:
+                flight.sums[i] = _words_sum(buf)
+            flight.sends.append((self.channel.send(buf, tag=rid), buf))
+            flight.next_chunk += 1
+        if flight.checksum and not flight.sums_posted:
+            flight.sends.append((self.channel.send(flight.sums, tag=rid), flight.sums))
+            flight.sums_posted = True
+        if flight.ack is None:
+            status = torch.empty(_STATUS_BYTES, dtype=torch.uint8, device=self.end.device)
+            flight.ack = (self.channel.recv(status, tag=rid), status)
+
+    def _complete(self, flight: _Flight) -> None:
+        """Post what is left, wait for the receiver's status (it implies the sends completed), settle."""
+        op = flight.op
+        try:
+            with self._on_stream():
+                if flight.ack is None:
+                    self._post_chunks(flight, block=True)
+                work, status = flight.ack
+                # the peer's own timeout acts first on a silent payload; its closing then reads as our timeout
+                self.channel.wait_work(work, flight.deadline, "status", grace_s=self._grace())
+                ok, reason = _decode_status(status)
+            op.marks["acked"] = time.monotonic()
+            while flight.sends:
+                self.channel.wait_work(flight.sends.popleft()[0], flight.deadline, "send")
+        except Exception as exc:
+            self._fail(op, exc)
             return
-        if status.get("ok"):
+        if ok:
             self.end._finish(op, TransferState.DONE)
         else:  # the receiver refused the header or the data; it drained the payload, the pair is still usable
-            self.end._finish(op, TransferState.FAILED, f"rejected by receiver: {status.get('reason')}")
-        self.channel.delete(f"s{seq}")
+            self.end._finish(op, TransferState.FAILED, f"rejected by receiver: {reason}")
+
+    def _grace(self) -> float:
+        # covers the header's trip through the store (the receiver's deadline starts when it reads the header),
+        # also on a loaded host; gloo only (NCCL polls our own deadline exactly)
+        return min(10.0, max(1.0, 0.5 * self.end.config.timeout_s))
 
 
 class KVSender(_Endpoint):
-    """The prefill shard's end. `send(request_id, page_ids)` queues the request on each of its pairs (or the
-    given `peers`); the pages must stay allocated until `wait(request_id).settled`."""
+    """The prefill shard's end. `send(request_id, page_ids)` posts the request on each of its pairs (or the
+    given `peers`) from the caller's thread when the pair is idle, else queues it behind the pair's transfers;
+    the pages must stay allocated until `wait(request_id).settled`."""
 
     role = "sender"
 
@@ -666,16 +824,20 @@ class KVSender(_Endpoint):
              peers: Sequence[str] | None = None) -> None:
         ops = self._register(request_id, page_ids, peers)
         ready = None
-        if self.device.type == "cuda":  # the side stream must see the prefill's writes to these pages
+        if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         for name, op in ops.items():
             op.ready_event = ready
-            self._workers[name].queue.put(op)
+            self._workers[name].submit(op)
 
 
 # ---- receiver -----------------------------------------------------------------------------------------------
 class _RecvWorker(_PairWorker):
+    """Blocks on the store for the next header; then posts the chunk receives, one scatter launch per chunk
+    (stream-ordered behind its receive on NCCL: no CPU wait until everything is queued), settles, and answers
+    with the status over the backend."""
+
     def stop(self) -> None:
         super().stop()
         self.channel.wake(f"h{self.seq}", _CLOSE)
@@ -690,6 +852,7 @@ class _RecvWorker(_PairWorker):
             except TransferError as exc:
                 self._break(str(exc))
                 return
+            arrived = time.monotonic()
             if raw == _CLOSE:
                 self._break("closed")
                 return
@@ -699,7 +862,7 @@ class _RecvWorker(_PairWorker):
                 self._break(str(exc))
                 return
             seq, self.seq = self.seq, self.seq + 1
-            if not self._receive(seq, header):
+            if not self._receive(seq, header, arrived):
                 return
 
     def _claim(self, header: KVHeader) -> tuple[_Op | None, str | None]:
@@ -729,69 +892,75 @@ class _RecvWorker(_PairWorker):
         bad = [f"{k} {getattr(h, k)!r} != {v!r}" for k, v in want.items() if getattr(h, k) != v]
         return f"header mismatch: {', '.join(bad)}" if bad else None
 
-    def _receive(self, seq: int, header: KVHeader) -> bool:
-        """Take one payload; returns False when the pair broke."""
+    def _receive(self, seq: int, header: KVHeader, arrived: float) -> bool:
+        """Take one payload and answer it; returns False when the pair broke."""
         cfg = self.end.config
         op, problem = self._claim(header)
-        pieces = header.pieces()
-        page_bytes = [p[2] for p in pieces]
-        chunks = plan_chunks(page_bytes, header.num_pages, header.max_chunk_bytes)
         deadline = time.monotonic() + cfg.timeout_s
         if op is not None:
             op.num_bytes = header.total_bytes()
+            op.marks["header"] = arrived
+        pieces = header.pieces()
+        page_bytes = [p[2] for p in pieces]
+        if op is not None and problem is None:
+            layout = self._layout(header)
+            sizes, plans = layout.sizes, layout.plans
+        else:  # refused: drain the payload into scratch memory, in the sizes the sender uses
+            sizes = [chunk_nbytes(c, page_bytes) for c in plan_chunks(page_bytes, header.num_pages,
+                                                                       header.max_chunk_bytes)]
+            plans = None
         try:
-            sums: list[int] = []
             with self._on_stream():
+                sums = sent = None
+                if header.checksum:
+                    sums = torch.empty(len(sizes), dtype=torch.int64, device=self.end.device)
+                    sent = torch.empty(len(sizes), dtype=torch.int64, device=self.end.device)
                 inflight: deque = deque()
-                for chunk in chunks:
+                for i, nbytes in enumerate(sizes):
                     if len(inflight) >= cfg.max_inflight_chunks:
-                        self._land(*inflight.popleft(), header, pieces, op, problem, sums, deadline)
-                    buf = torch.empty(chunk_nbytes(chunk, page_bytes), dtype=torch.uint8, device=self.end.device)
-                    inflight.append((chunk, buf, self.channel.recv(buf, tag=header.request_id)))
+                        self._land(*inflight.popleft(), op, plans, sums, deadline)
+                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.end.device)
+                    inflight.append((i, buf, self.channel.recv(buf, tag=header.request_id)))
                 while inflight:
-                    self._land(*inflight.popleft(), header, pieces, op, problem, sums, deadline)
+                    self._land(*inflight.popleft(), op, plans, sums, deadline)
+                if header.checksum:
+                    self.channel.order_after(self.channel.recv(sent, tag=header.request_id), deadline, "recv")
+                if op is not None:
+                    op.marks["posted"] = time.monotonic()
                 self._settle_stream(deadline)
-            if header.checksum:
-                sent = json.loads(self.channel.get(f"c{seq}", deadline - time.monotonic()))
-                if problem is None and sent != sums:
-                    problem = f"checksum mismatch: sent {sent} received {sums}"
+                if header.checksum and problem is None and not torch.equal(sums, sent):
+                    problem = f"checksum mismatch: sent {sent.tolist()} received {sums.tolist()}"
         except Exception as exc:  # mid-payload (wire or device error): the pair is out of step now
-            if not isinstance(exc, TransferError):
-                exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
             if op is not None:
-                self.end._finish(op, TransferState.FAILED, str(exc))
-            self._break(str(exc))
+                self._fail(op, exc)
+            else:
+                self._break(str(exc) if isinstance(exc, TransferError) else f"internal: {exc}")
             return False
-        status = {"ok": problem is None, "reason": problem}
+        ok, reason = problem is None, problem
         if op is not None:
+            op.marks["landed"] = time.monotonic()
             with self.end._cond:
                 if op.aborted:
-                    status = {"ok": False, "reason": "aborted on the receiving side"}
+                    ok, reason = False, "aborted on the receiving side"
             self.end._finish(op, TransferState.DONE if problem is None else TransferState.FAILED, problem)
         try:
-            self.channel.put(f"s{seq}", json.dumps(status).encode(), tag=header.request_id)
+            with self._on_stream():
+                status = _encode_status(ok, reason, self.end.device)
+                self.channel.wait_work(self.channel.send(status, tag=header.request_id), deadline, "status")
         except TransferError as exc:
             self._break(str(exc))
             return False
-        self.channel.delete(f"h{seq}")
-        if header.checksum:
-            self.channel.delete(f"c{seq}")
+        self.channel.delete(f"h{seq}")  # after the answer: off the sender's critical path
         return True
 
-    def _land(self, chunk, buf, work, header: KVHeader, pieces, op, problem, sums, deadline) -> None:
-        """Scatter one received chunk into the prepared pages (unless the header was refused), ordered after
-        its receive."""
+    def _land(self, i: int, buf: torch.Tensor, work, op: _Op | None, plans, sums, deadline: float) -> None:
+        """Scatter received chunk i into the prepared pages (unless refused), ordered after its receive: one
+        launch, queued on the copy stream without waiting for the bytes on NCCL."""
         self.channel.order_after(work, deadline, "recv")
-        if header.checksum:
-            sums.append(_words_sum(buf))
-        if op is None or problem is not None:
-            return  # drained
-        for seg in chunk:
-            family, layer, row = pieces[seg.piece]
-            dst = self.end._cache_view(family, layer, header.head_start, header.head_end)
-            n = seg.page_hi - seg.page_lo
-            data = buf[seg.offset:seg.offset + n * row].view(self.end.dtype).view(n, *dst.shape[1:])
-            scatter_pages(dst, op.page_ids[seg.page_lo:seg.page_hi], data)
+        if sums is not None:
+            sums[i] = _words_sum(buf)
+        if plans is not None:
+            plans[i].scatter(op.page_ids, buf)
 
 
 class KVReceiver(_Endpoint):

@@ -1,15 +1,20 @@
 """The wire under the KV transfer: one 2-party channel per (prefill shard, decode shard) pair.
 
-A `PairChannel` is a TCPStore (control: small keyed messages such as headers and statuses) plus a standalone
-torch.distributed backend of two ranks built from that store (data: point-to-point send/recv of large buffers;
-NCCL on GPU, gloo on CPU). The backend is constructed directly (`ProcessGroupGloo(store, rank, 2, ...)`,
-`ProcessGroupNCCL(store, rank, 2, timeout)`) instead of through `init_process_group`/`new_group`, because the
-default group is process-global: a shard must be able to hold several pair channels next to its TP group.
+A `PairChannel` is a TCPStore (rendezvous, and one small keyed message per transfer: its header) plus a
+standalone torch.distributed backend of two ranks built from that store (point-to-point send/recv: the payload,
+and the receiver's status back; NCCL on GPU, gloo on CPU). The backend is constructed directly
+(`ProcessGroupGloo(store, rank, 2, ...)`, `ProcessGroupNCCL(store, rank, 2, timeout)`) instead of through
+`init_process_group`/`new_group`, because the default group is process-global: a shard must be able to hold
+several pair channels next to its TP group.
 
-Why the control messages go through the store and not through the backend: a decode shard would otherwise keep
-a receive posted while it waits for the next header. On NCCL that is a kernel spinning on the decode GPU, which
-the NCCL watchdog kills after its timeout, and on gloo a timed-out receive closes the connection. With the store,
-data-plane operations are only posted once a header says a payload of known size follows right behind it.
+Why the header still goes through the store and not through the backend: the decode shard cannot know when a
+prefill will finish (queue + compute: seconds to minutes), so a header receive posted on the backend would wait
+that long. On NCCL that is a kernel spinning on the decode GPU during decode steps, killed (with the process, by
+default) by the watchdog after the channel timeout; on gloo a timed-out receive closes the connection. A "doorbell"
+through the store before a backend header would cost the same one store message as the header itself, plus one
+backend message. So: the header is the one store message of a transfer (one-way: the receiver is already blocked
+in `get`), and everything after it (payload, status) is posted on the backend only once a payload of known size
+is known to follow, with deadlines shorter than the backend's own timeout.
 
 Rendezvous: the listening side (rank 0, by convention the decode shard) hosts the TCPStore on a port the OS
 picks (`port=0`), on 127.0.0.1 unless told otherwise; the other side connects to `channel.address`. Both sides
@@ -73,9 +78,9 @@ def _classify(exc: BaseException, what: str) -> TransferError:
 class PairChannel:
     """One side of a 2-party channel. Rank 0 listens (hosts the store), rank 1 connects.
 
-    backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of `device`). All data-plane calls of one channel must
-    come from one thread (the pair's worker thread in workers/transfer.py), which keeps send/recv order identical
-    on both sides. `tag` arguments name the request a message belongs to; the real channel ignores them (the
+    backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of `device`). Data-plane calls of one channel must be
+    posted in one order on each side (workers/transfer.py serialises them per pair), which keeps send/recv order
+    identical on both sides; their works may be waited on from another thread. `tag` arguments name the request a message belongs to; the real channel ignores them (the
     fault-injecting fake in workers/transfer.py keys its faults on them).
     """
 
@@ -194,20 +199,27 @@ class PairChannel:
         except Exception as exc:
             raise _classify(exc, "recv") from exc
 
-    def wait_work(self, work: Any, deadline: float, what: str) -> None:
+    def wait_work(self, work: Any, deadline: float, what: str, *, grace_s: float = 0.0) -> None:
         """Wait for one send/recv until the monotonic `deadline`.
 
-        gloo: the CPU blocks in the work itself. NCCL: `wait()` only orders the current stream behind the
-        communication, so poll completion instead (keeping the deadline) and then order the stream.
+        gloo: the CPU blocks in the work itself (gloo works only complete inside `wait`), for up to `grace_s`
+        past the deadline: a gloo wait that times out closes the connection, so the side whose peer is expected
+        to give up first (the sender, waiting for the receiver's status) lets the peer's own timeout act, and
+        reports `timeout` when the peer's closing arrives after our deadline. NCCL: `wait()` only orders the
+        current stream behind the communication, so poll completion instead (keeping the deadline) and then
+        order the stream.
         """
         try:
             if self.backend == "gloo":
-                work.wait(_td(deadline - time.monotonic()))
+                work.wait(_td(deadline + grace_s - time.monotonic()))
                 return
             poll_until(work.is_completed, deadline, what)
             work.wait()
         except Exception as exc:
-            raise _classify(exc, what) from exc
+            err = _classify(exc, what)
+            if time.monotonic() > deadline and not isinstance(err, TransferTimeout):
+                err = TransferTimeout(f"{what}: not completed in time ({err})")
+            raise err from exc
 
     def order_after(self, work: Any, deadline: float, what: str) -> None:
         """Make what the current thread queues next run after `work`. NCCL: stream ordering only, the CPU does

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -160,7 +161,8 @@ def test_config_refuses_bad_values():
 
 # ---- real transfers over gloo, both sides in this process ----------------------------------------------------
 def test_many_requests_random_pages_bitwise_and_nothing_else_written():
-    cfg = TransferConfig(timeout_s=20, max_chunk_bytes=40_000, verify_checksum=True)  # several chunks each
+    # several chunks each, more than may be in flight: the pair thread posts the rest as sends complete
+    cfg = TransferConfig(timeout_s=20, max_chunk_bytes=40_000, max_inflight_chunks=2, verify_checksum=True)
     src = _filled_cache(24, seed=1)
     dst = KVCache.allocate(_tiny(), 40)
     sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
@@ -240,17 +242,71 @@ def test_tp1_to_tp2_slices_heads_exactly():
 
 
 class _CountingChannel:
-    """Counts the data messages a real channel sends."""
+    """Counts the data messages a real channel sends, its store calls, and which thread sent what."""
 
     def __init__(self, inner):
-        self.inner, self.sends = inner, 0
+        self.inner, self.sends, self.store_calls, self.senders = inner, 0, [], []
+        self.get_delay_s = 0.0  # a slow receiver: holds each header that long before taking its payload
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def send(self, buf, *, tag=""):
         self.sends += 1
+        self.senders.append((tag, threading.current_thread().name))
         return self.inner.send(buf, tag=tag)
+
+    def put(self, key, value, *, tag=""):
+        self.store_calls.append(("put", key))
+        return self.inner.put(key, value, tag=tag)
+
+    def get(self, key, timeout_s, *, tag=""):
+        self.store_calls.append(("get", key))
+        out = self.inner.get(key, timeout_s, tag=tag)
+        time.sleep(self.get_delay_s)
+        return out
+
+
+def test_one_store_message_per_transfer_posted_from_the_callers_thread_with_phase_marks():
+    """The header is the only store message (the status comes back over the backend); an idle pair posts the
+    payload from the caller's thread (no hand-off), a busy one queues behind the transfer in flight."""
+    src, dst = _filled_cache(12, seed=12), KVCache.allocate(_tiny(), 12)
+    cfg = TransferConfig(timeout_s=20, max_chunk_bytes=30_000)  # 2 chunks for 2 pages
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    rx, tx = _pair()
+    rx_count, tx_count = _CountingChannel(rx), _CountingChannel(tx)
+    receiver.add_peer("p0", rx_count, plan_routes(2, 1, 1)[0])
+    sender.add_peer("d0", tx_count, plan_routes(2, 1, 1)[0])
+    try:
+        sender.wait_ready(30), receiver.wait_ready(30)
+        me = threading.current_thread().name
+        for rid, s_ids, d_ids in (("m-0", [1, 2], [3, 4]), ("m-1", [5, 6], [7, 8])):
+            receiver.prepare_receive(rid, d_ids)
+            sender.send(rid, s_ids)
+            s, r = sender.wait(rid, 20), receiver.wait(rid, 20)
+            assert (s.state, r.state) == (TransferState.DONE, TransferState.DONE), (s, r)
+            _assert_pages_equal(dst, d_ids, src, s_ids)
+            m, n = s.marks, r.marks
+            assert m["called"] <= m["header"] <= m["posted"] <= m["acked"], m
+            assert m["called"] <= n["header"] <= n["posted"] <= n["landed"] <= m["acked"], (m, n)
+        assert tx_count.store_calls == [("put", "h0"), ("put", "h1")]  # no status keys, no waits on the store
+        assert [c for c in rx_count.store_calls if c[0] == "put"] == []
+        chunks = len(next(iter(sender._workers["d0"]._layouts.values())).sizes)
+        assert chunks > 1 and tx_count.senders == [("m-0", me)] * chunks + [("m-1", me)] * chunks
+        assert len(sender._workers["d0"]._layouts) == 1  # one copy plan for both (same page count)
+
+        # three at once: the first goes out from this thread, the others (sent while the slowed receiver holds
+        # the first) wait for the pair in its own thread
+        rx_count.get_delay_s = 0.3
+        for i in range(3):
+            receiver.prepare_receive(f"q-{i}", [i])
+        for i in range(3):
+            sender.send(f"q-{i}", [i + 8])
+        assert all(sender.wait(f"q-{i}", 20).state is TransferState.DONE for i in range(3))
+        who = dict(tx_count.senders[2 * chunks:])
+        assert who["q-0"] == me and who["q-1"] != me and who["q-2"] != me, who
+    finally:
+        sender.close(), receiver.close()
 
 
 def test_coalesced_is_the_default_and_per_page_messages_are_measured():
@@ -388,6 +444,7 @@ sender.add_peer("d0", PairChannel.connect((host, port), timeout_s=60), plan_rout
 for rid, ids in spec["requests"].items():
     sender.send(rid, ids)
 out = {rid: sender.wait(rid, 60).state.value for rid in spec["requests"]}
+print("REASONS", [sender.result(r).reason for r in spec["requests"]])
 sender.close()
 print("RESULT " + json.dumps(out))
 '''
@@ -414,7 +471,7 @@ def test_two_plain_processes_move_pages_bitwise():
     try:
         assert proc.returncode == 0, proc.stderr[-3000:]
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-        assert json.loads(line[7:]) == {rid: "done" for rid in dst_ids}
+        assert json.loads(line[7:]) == {rid: "done" for rid in dst_ids}, proc.stdout[-2000:]
         for rid, ids in dst_ids.items():
             assert receiver.wait(rid, 30).state is TransferState.DONE
             _assert_pages_equal(dst, ids, src, spec["requests"][rid])
