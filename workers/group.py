@@ -13,7 +13,10 @@ batch goes to every rank.
 per dp rank, each new request assigned to the least loaded dp rank, and every step runs all dp ranks' batches in
 one group step. A dp rank with nothing to do gets no batch; when its MoE collectives span other dp ranks
 (`ep > tp`) it still runs an empty forward so its peers never wait. `Engine(..., parallel=ParallelConfig(dp=2))`
-builds one.
+builds one. It serves the unified and decode roles (a remote request is admitted on one dp rank).
+
+`GroupTransferAgent` is the engine's end of disaggregation over a tp group's shards: each `ShardWorker` hosts
+the `TransferAgent` of its own KV pages, and the engine's transfer calls fan out to them (docs/disaggregation.md).
 """
 from __future__ import annotations
 
@@ -403,7 +406,7 @@ class GroupTransferAgent:
                 errors.append(None)
             except Exception as e:
                 out.append(None)
-                errors.append(_unwrap(e, f"rank {rank}: transfer call {method}"))
+                errors.append(_unwrap(e, f"tp rank {rank}: transfer call {method}"))
         return out, errors
 
     def _fan(self, method: str, *args) -> list:
@@ -454,16 +457,19 @@ class GroupTransferAgent:
         if not ranks:
             return
         actors = [self.actors[r] for r in ranks]
-        settled = ray.get([a.kv_abort.remote(transfer_id) for a in actors])
-        deadline = time.monotonic() + self.config.timeout_s + 1.0
-        while not all(settled) and time.monotonic() < deadline:
-            time.sleep(0.01)
-            settled = [res[0][0].settled for res in ray.get([a.kv_poll.remote([transfer_id]) for a in actors])]
+        try:
+            settled = ray.get([a.kv_abort.remote(transfer_id) for a in actors])
+            deadline = time.monotonic() + self.config.timeout_s + 1.0
+            while not all(settled) and time.monotonic() < deadline:  # an op mid-payload finishes its bytes
+                time.sleep(0.01)
+                settled = [res[0][0].settled for res in ray.get([a.kv_poll.remote([transfer_id]) for a in actors])]
+        except Exception:
+            pass  # a dead shard: nothing of it reads or writes pages any more
         for a in actors:
             try:
                 ray.get(a.kv_release.remote(transfer_id))
             except Exception:
-                pass  # not settled in time: the shard keeps the bookkeeping; its pages are the caller's problem
+                pass  # not settled in time (or dead): that shard keeps the bookkeeping
 
     def results(self, transfer_ids: Sequence[str]) -> list[TransferResult]:
         """Each request's result over all shards: one round trip for all of them."""

@@ -206,6 +206,28 @@ def _poll_round_trip_ms(engine, n: int = 30) -> float:
     return sorted(times)[n // 2]
 
 
+def _full_dp_pool(engines: dict, groups: dict) -> dict:
+    """No dp rank has room: the admission is refused (None) and nothing is reserved; with the pages back the
+    same admission succeeds."""
+    from workers.request import SamplingParams
+
+    decode = engines["decode_dp2"]
+    p_group, _d_group = groups[("prefill_tp1", "decode_dp2")]
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompt = _prompts()[7]  # 150 tokens = 10 pages
+    free = decode.stats().num_pages_free
+    decode.hold_pages(free - 9)  # dp rank 0's pool taken whole, then all but 9 of dp rank 1's
+    out = {"free_each": [c.pages.num_free_pages for c in decode.cores],
+           "refused": decode.admit_remote("full", prompt, sp, group=p_group) is None,
+           "owner": decode.dp_rank_of("full")}
+    decode.hold_pages(0)
+    out["admitted"] = decode.admit_remote("full", prompt, sp, group=p_group) is not None
+    out["aborted"] = decode.abort_request("full")
+    _settle(decode)
+    out["decode"] = _leftovers(decode)
+    return out
+
+
 def drive(ckpt: str) -> dict:
     import ray
     import torch
@@ -269,6 +291,7 @@ def drive(ckpt: str) -> dict:
         result["poll_ms"] = _poll_round_trip_ms(engines["prefill_tp2"])
         result["refused"] = _refused_from_tp2(engines, groups)
         result["abort_dp"] = _abort_on_dp_rank(engines, groups)
+        result["full_dp"] = _full_dp_pool(engines, groups)
     finally:
         for e in engines.values():
             try:
@@ -379,6 +402,14 @@ def test_abort_reaches_the_admitting_dp_rank(run):
     assert a["aborted"] == [True, True]
     _assert_no_leftovers(a["prefill"], "abort prefill_tp1")
     _assert_no_leftovers(a["decode"], "abort decode_dp2")
+
+
+def test_full_dp_pools_refuse_and_reserve_nothing(run):
+    f = run["full_dp"]
+    assert f["free_each"] == [0, 9]  # the prompt needs 10 pages
+    assert f["refused"] and f["owner"] is None
+    assert f["admitted"] and f["aborted"]
+    _assert_no_leftovers(f["decode"], "full decode_dp2")
 
 
 def test_report_timings(run):
