@@ -9,7 +9,13 @@ the prefill side (sender, first device).
 
 What is timed, on the sender, median of --reps after --warmup:
   ours:     KVSender.send(...) until the receiver's status says the pages landed (header through the store,
-            gather into staging, NCCL send/recv, scatter into the receiver's pages, status back).
+            one gather launch per chunk into staging, NCCL send/recv, one scatter launch per chunk into the
+            receiver's pages, status back over NCCL).
+  split:    where ours goes, from the transfer's phase marks (time.monotonic is system-wide, so the two
+            processes' marks compare): post = send() returning on the caller's thread (header put, gathers,
+            sends and the status receive posted); header = send() -> the receiver holds the header (store
+            hop); payload = receiver: header -> pages written (receives, wire, scatters, stream settled);
+            ack = pages written -> the sender read the status; wake = status read -> sender.wait() returned.
   ceiling:  one torch.distributed send of the whole payload as ONE message, then a 1-element ack back
             (the same round trip shape as ours, no gather/scatter, no control plane).
   ceiling@chunks: the same with the chunk sizes our plan uses (isolates the message-size effect).
@@ -47,6 +53,14 @@ from workers.transfer import (KVReceiver, KVSender, TransferConfig, TransferStat
 from workers.transport import PairChannel  # noqa: E402
 
 TARGET_FRACTION_8K = 0.60
+PHASES = ("post", "header", "payload", "ack", "wake")
+
+
+def phase_split(s_marks: dict, r_marks: dict, t_end: float) -> dict:
+    """Seconds of each phase of one transfer from the sender's and the receiver's marks (see the docstring)."""
+    return {"post": s_marks["posted"] - s_marks["called"], "header": r_marks["header"] - s_marks["called"],
+            "payload": r_marks["landed"] - r_marks["header"], "ack": s_marks["acked"] - r_marks["landed"],
+            "wake": t_end - s_marks["acked"]}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -181,8 +195,11 @@ def sender_main(conn, addresses, argv) -> None:
             sender.send(rid, ids)
             res = sender.wait(rid, args.timeout)
             dt = time.perf_counter() - t0
+            t_end = time.monotonic()
             sender.release(rid)
-            conn.send((res.state.value, res.reason, dt, res.num_bytes, pages_digest(kv, ids) if want_digest else None))
+            fused = all(p.fused for w in sender._workers.values() for lay in w._layouts.values() for p in lay.plans)
+            conn.send((res.state.value, res.reason, dt, res.num_bytes, pages_digest(kv, ids) if want_digest else None,
+                       dict(res.marks), t_end, fused))
         else:
             break
     sender.close()
@@ -228,14 +245,14 @@ def main(argv=None) -> int:
         one = ceiling([nbytes])
         chunked = ceiling(item["chunks"]) if len(item["chunks"]) > 1 else one
         stream = ceiling([nbytes], stream_k=4) / 4
-        times, recv_times = [], []
+        times, recv_times, splits, fused = [], [], [], True
         for rep in range(args.warmup + args.reps):
             rid = f"t{n}"
             n += 1
             ids = torch.randperm(pool, generator=gen)[:item["pages"]].tolist()
             receiver.prepare_receive(rid, ids)
             parent.send(("transfer", rid, item["pages"], item["cap"], rep == 0))
-            state, reason, dt, sent_bytes, digest = parent.recv()
+            state, reason, dt, sent_bytes, digest, s_marks, t_end, fused_now = parent.recv()
             res = receiver.wait(rid, args.timeout)
             receiver.release(rid)
             if state != "done" or res.state is not TransferState.DONE:
@@ -247,6 +264,8 @@ def main(argv=None) -> int:
             if rep >= args.warmup:
                 times.append(dt)
                 recv_times.append(res.seconds)
+                splits.append(phase_split(s_marks, res.marks, t_end))
+                fused &= fused_now
         if not times:
             continue
         ours = statistics.median(times)
@@ -254,12 +273,17 @@ def main(argv=None) -> int:
                      "messages": len(item["chunks"]), "ours_s": ours, "ours_gbps": nbytes / ours / 1e9,
                      "ceiling_s": one, "ceiling_gbps": nbytes / one / 1e9, "fraction": one / ours,
                      "ceiling_chunked_gbps": nbytes / chunked / 1e9, "stream_gbps": nbytes / stream / 1e9,
-                     "receiver_side_s": statistics.median(recv_times)})
+                     "receiver_side_s": statistics.median(recv_times), "one_launch_per_chunk": fused,
+                     "split_s": {k: statistics.median(x[k] for x in splits) for k in PHASES}})
     parent.send(("stop",))
     proc.join(timeout=30)
     receiver.close()
     ceil_ch.close()
 
+    split_lines = [f"{'tokens':>7} {'cap':>5} " + " ".join(f"{k + ' ms':>10}" for k in PHASES) + "  copy"] + [
+        f"{r['tokens']:>7} {r['chunk_cap'] / 2**(10 if args.tiny else 20):>5.0f} "
+        + " ".join(f"{r['split_s'][k] * 1e3:>10.3f}" for k in PHASES)
+        + ("  1 launch/chunk" if r["one_launch_per_chunk"] else "  torch per piece") for r in rows]
     unit = "KiB" if args.tiny else "MiB"
     header = (f"{'tokens':>7} {'pages':>5} {'MB':>8} {'cap ' + unit:>8} {'msgs':>4} {'ours ms':>8} {'ours GB/s':>9} "
               f"{'ceil GB/s':>9} {'of ceil':>7} {'ceil@chunks':>11} {'stream':>7} {'recv ms':>8}")
@@ -284,6 +308,8 @@ def main(argv=None) -> int:
     if verdict:
         print(verdict)
     print("\n".join(lines))
+    print("\nwhere ours goes (medians; post overlaps header):")
+    print("\n".join(split_lines))
     return 1 if failures or not rows else 0
 
 

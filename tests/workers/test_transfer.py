@@ -569,3 +569,22 @@ def test_device_error_mid_payload_fails_both_sides(monkeypatch):
         assert r.state is TransferState.FAILED and r.settled
     finally:
         sender.close(), receiver.close()
+
+
+def test_benchmark_cpu_smoke_reports_the_time_split(tmp_path):
+    """benchmarks/bench_kv_transfer.py end to end on gloo (tiny shapes): transfers verified bitwise by the bench
+    itself, and every row carries the phase split (post, header, payload, ack, wake) that the GPU run prints."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "benchmarks/bench_kv_transfer.py", "--device", "cpu", "--tiny",
+                           "--tokens", "64", "--chunk-mib", "64", "--reps", "2", "--warmup", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    out = json.loads((tmp_path / "bench_kv_transfer.json").read_text())
+    assert out["failures"] == [] and len(out["rows"]) == 1
+    row = out["rows"][0]
+    assert row["bytes"] == 4 * KVCache.bytes_per_page(_tiny()) and row["messages"] == 3
+    split = row["split_s"]
+    assert set(split) == {"post", "header", "payload", "ack", "wake"} and min(split.values()) >= 0, split
+    # the phases after send() tile the sender's wall time (medians of each, so only roughly)
+    assert 0 < split["header"] + split["payload"] + split["ack"] + split["wake"] < 3 * row["ours_s"] + 0.05
+    assert "where ours goes" in proc.stdout
