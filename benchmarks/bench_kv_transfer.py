@@ -45,6 +45,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+import kernels.page_copy as page_copy  # noqa: E402
 from msa.config import M3Config  # noqa: E402
 from msa.kv_cache import KVCache  # noqa: E402
 from workers.configio import load_yaml, preset_path  # noqa: E402
@@ -265,7 +266,8 @@ def main(argv=None) -> int:
                 times.append(dt)
                 recv_times.append(res.seconds)
                 splits.append(phase_split(s_marks, res.marks, t_end))
-                fused &= fused_now
+                fused &= fused_now and all(p.fused for w in receiver._workers.values()
+                                           for lay in w._layouts.values() for p in lay.plans)
         if not times:
             continue
         ours = statistics.median(times)
@@ -294,7 +296,7 @@ def main(argv=None) -> int:
         f"{r['receiver_side_s'] * 1e3:>8.3f}" for r in rows]
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "backend": backend, "torch": torch.__version__, "model": "tiny" if args.tiny else "m3-slice",
-            "dtype": str(dtype), "reps": args.reps, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "dtype": str(dtype), "page_copy_triton_failure": page_copy.triton_failure, "reps": args.reps, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d %H:%M")}
     at_8k = [r for r in rows if r["tokens"] == 8192]
     verdict = (f"8k tokens: best {max(r['fraction'] for r in at_8k) * 100:.0f}% of the NCCL ceiling "
                f"(target {TARGET_FRACTION_8K * 100:.0f}%)" if at_8k else "")

@@ -17,6 +17,7 @@ reference (one index_select / index_copy_ per segment), used on CPU tensors unle
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,9 @@ from kernels._triton import num_sms, runnable, use_triton
 
 _FIELDS = 8  # table row: cache address, first page-id index, pages, page stride, runs, run length, run stride, offset
 _BLOCK = 1024  # words per loop step of one program
+# why the Triton path stopped being used in this process (a failed compile or launch), else None; the plans
+# then run the reference, and `PageCopyPlan.fused` says so (the transfer benchmark prints it)
+triton_failure: str | None = None
 
 
 @triton.jit
@@ -173,7 +177,9 @@ class PageCopyPlan:
         if any(c.device != self.device for c in self.caches):
             raise ValueError("page_copy: caches on several devices")
         runs = [_runs(c) for c in self.caches]
-        self.fused = use_triton(self.device, backend) and all(r is not None for r in runs)
+        forced = backend == "triton"
+        self.fused = (use_triton(self.device, backend) and all(r is not None for r in runs)
+                      and (forced or triton_failure is None))
         if not self.fused:
             return
         # the widest word (<= 8 bytes) that divides every address, stride, run and offset
@@ -217,8 +223,17 @@ class PageCopyPlan:
             return
         words = buf[:self.nbytes].view(self.word_dtype)
         ids = page_ids if page_ids.dtype == torch.int64 else page_ids.to(torch.int64)
-        runnable(_page_copy_kernel, self.device)[self.grid](self.table, ids.contiguous(), words,
-                                                            GATHER=gather, BLOCK=_BLOCK, num_warps=4)
+        try:
+            runnable(_page_copy_kernel, self.device)[self.grid](self.table, ids.contiguous(), words,
+                                                                GATHER=gather, BLOCK=_BLOCK, num_warps=4)
+        except Exception as exc:  # a compile/launch failure (not a data error: nothing ran): keep moving pages
+            global triton_failure
+            triton_failure = f"{type(exc).__name__}: {str(exc)[:300]}"
+            warnings.warn(f"page_copy: the Triton copy failed, using torch per segment: {triton_failure}",
+                          RuntimeWarning, stacklevel=2)
+            self.fused = False
+            fn = gather_pages_into_ref if gather else scatter_pages_from_ref
+            fn(self.caches, page_ids, buf, ranges=self.ranges, offsets=self.offsets)
 
     def gather(self, page_ids: torch.Tensor, out: torch.Tensor) -> None:
         self._run(page_ids, out, True, "gather_pages_into")

@@ -80,8 +80,9 @@ class PairChannel:
 
     backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of `device`). Data-plane calls of one channel must be
     posted in one order on each side (workers/transfer.py serialises them per pair), which keeps send/recv order
-    identical on both sides; their works may be waited on from another thread. `tag` arguments name the request a message belongs to; the real channel ignores them (the
-    fault-injecting fake in workers/transfer.py keys its faults on them).
+    identical on both sides; their works may be waited on from another thread. `tag` arguments name the request
+    a message belongs to; the real channel ignores them (the fault-injecting fake in workers/transfer.py keys its
+    faults on them).
     """
 
     def __init__(self, *, rank: int, host: str, port: int, backend: str, device: torch.device | str,

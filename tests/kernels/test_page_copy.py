@@ -126,3 +126,27 @@ def test_plan_is_reused_for_other_page_ids_and_checks_inputs():
         PageCopyPlan(caches, 3, ranges=[(0, 4)] * 5)
     empty = PageCopyPlan(caches, 0, backend="triton")  # a zero-page plan moves nothing
     empty.gather(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_one_launch_equals_reference_at_m3_slice_shapes():
+    """m3-slice pages (128 tokens, 4 KV heads x 128, bf16; index-K 128), head slices, shuffled ids, compiled."""
+    import kernels.page_copy as pc
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = [torch.randn(64, 128, 4, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)]
+    ik = [torch.randn(64, 128, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    for views in ([*k, *ik], [t[:, :, 1:3] for t in k] + ik[:1]):
+        ids = torch.randperm(64, generator=gen, device="cuda")[:40]
+        plan = PageCopyPlan(views, 40)
+        assert plan.fused, pc.triton_failure
+        got = torch.empty(plan.nbytes, dtype=torch.uint8, device="cuda")
+        plan.gather(ids, got)
+        want = torch.empty_like(got)
+        gather_pages_into_ref(views, ids, want)
+        assert torch.equal(got, want)
+        dst = [torch.zeros(t.shape[0], *t.shape[1:], dtype=t.dtype, device="cuda") for t in views]
+        PageCopyPlan(dst, 40).scatter(ids, got)
+        assert all(torch.equal(d[ids], s[ids].contiguous()) for d, s in zip(dst, views))
+        assert pc.triton_failure is None
