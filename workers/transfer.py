@@ -1247,7 +1247,7 @@ class TransferAgent:
     def combine(transfer_id: str, results: Sequence[TransferResult]) -> TransferResult:
         """One request over several shards: FAILED if any failed (reasons joined), DONE only if every shard is
         DONE, else TRANSFERRING (or PENDING if none started); settled when every shard is; bytes summed,
-        seconds the longest shard's."""
+        seconds the longest shard's, each phase mark the latest shard's."""
         if len(results) == 1:
             return results[0]
         states = [r.state for r in results]
@@ -1264,7 +1264,9 @@ class TransferAgent:
                               reason="; ".join(r.reason for r in failed if r.reason) or None,
                               num_bytes=sum(r.num_bytes for r in results),
                               seconds=max(r.seconds for r in results),
-                              num_pages=max(r.num_pages for r in results))
+                              num_pages=max(r.num_pages for r in results),
+                              marks={k: max(r.marks[k] for r in results if k in r.marks)
+                                     for k in {k for r in results for k in r.marks}})
 
     def add_listener(self, fn) -> None:
         self.end.add_listener(fn)

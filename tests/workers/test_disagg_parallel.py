@@ -465,11 +465,12 @@ def test_combine_over_shards():
 
     def r(state, settled, n=10, why=None):
         return TransferResult(request_id="x", state=state, settled=settled, reason=why, num_bytes=n, seconds=n / 10,
-                              num_pages=2)
+                              num_pages=2, marks={"called": 1.0, "acked": n / 10} if settled else {"called": 2.0})
 
     assert TransferAgent.combine("x", [r(S.DONE, True), r(S.TRANSFERRING, False)]).state is S.TRANSFERRING
     both = TransferAgent.combine("x", [r(S.DONE, True, 10), r(S.DONE, True, 30)])
     assert (both.state, both.settled, both.num_bytes, both.seconds) == (S.DONE, True, 40, 3.0)
+    assert both.marks == {"called": 1.0, "acked": 3.0}  # each phase: the latest shard's
     bad = TransferAgent.combine("x", [r(S.FAILED, True, why="a: timeout"), r(S.PENDING, False)])
     assert (bad.state, bad.settled, bad.reason) == (S.FAILED, False, "a: timeout")
     assert TransferAgent.combine("x", [r(S.PENDING, False), r(S.PENDING, False)]).state is S.PENDING
