@@ -279,7 +279,7 @@ class _Endpoint:
 
     role = "?"
 
-    def __init__(self, kv: KVCache, *, kv_head_start: int, config: TransferConfig) -> None:
+    def __init__(self, kv: KVCache, *, kv_head_start: int = 0, config: TransferConfig = TransferConfig()) -> None:
         self.kv = kv
         self.config = config
         self.kv_head_start = kv_head_start
@@ -292,6 +292,19 @@ class _Endpoint:
         self._workers: dict[str, _PairWorker] = {}
         self._stats: list[TransferStats] = []
         self._listeners: list = []  # called (no lock held) whenever an op settles: wakes an engine's step loop
+
+    def _worker_class(self) -> type:
+        return _SendWorker if self.role == "sender" else _RecvWorker
+
+    def add_peer(self, name: str, channel: PairChannel, route: Route) -> None:
+        """Start the worker of one pair (it opens the channel in the background; see `wait_ready`)."""
+        if name in self._workers:
+            raise ValueError(f"name: peer {name!r} already added")
+        self._check_route(route)
+        self._check_channel(channel)
+        w = self._worker_class()(self, name, channel, route)
+        self._workers[name] = w
+        w.start()
 
     def add_listener(self, fn) -> None:
         """Call `fn()` whenever an op of this end settles (from whichever thread settled it; keep it cheap)."""
@@ -807,19 +820,6 @@ class KVSender(_Endpoint):
 
     role = "sender"
 
-    def __init__(self, kv: KVCache, *, kv_head_start: int = 0, config: TransferConfig = TransferConfig()) -> None:
-        super().__init__(kv, kv_head_start=kv_head_start, config=config)
-
-    def add_peer(self, name: str, channel: PairChannel, route: Route) -> None:
-        """Start the worker of one pair (it opens the channel in the background; see `wait_ready`)."""
-        if name in self._workers:
-            raise ValueError(f"name: peer {name!r} already added")
-        self._check_route(route)
-        self._check_channel(channel)
-        w = _SendWorker(self, name, channel, route)
-        self._workers[name] = w
-        w.start()
-
     def send(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
              peers: Sequence[str] | None = None) -> None:
         ops = self._register(request_id, page_ids, peers)
@@ -968,19 +968,6 @@ class KVReceiver(_Endpoint):
     decode engine allocated; `wait(request_id)` / `state(request_id)` tell when it landed (DONE) or why not."""
 
     role = "receiver"
-
-    def __init__(self, kv: KVCache, *, kv_head_start: int = 0, config: TransferConfig = TransferConfig()) -> None:
-        super().__init__(kv, kv_head_start=kv_head_start, config=config)
-
-    def add_peer(self, name: str, channel: PairChannel, route: Route) -> None:
-        """Start the worker of one pair (it opens the channel in the background; see `wait_ready`)."""
-        if name in self._workers:
-            raise ValueError(f"name: peer {name!r} already added")
-        self._check_route(route)
-        self._check_channel(channel)
-        w = _RecvWorker(self, name, channel, route)
-        self._workers[name] = w
-        w.start()
 
     def prepare_receive(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
                         peers: Sequence[str] | None = None) -> None:
