@@ -8,7 +8,8 @@ recently, so equal replicas take turns even when requests arrive one at a time.
 
 Disaggregated (docs/disaggregation.md), per request: pick a prefill replica (load, queue) and a decode replica
 (load, free pages); the decode replica admits the request and reserves its pages first (a full one passes to
-the next; none left = 503 `kv_capacity`); the prefill replica runs the prompt, streams the first token (sent
+the next; none left = 503 `kv_capacity`) and says where the KV goes (a decode replica with attention DP: the
+sub-group of the dp rank that took the request); the prefill replica runs the prompt, streams the first token (sent
 to the client at once) and sends the KV into those pages; when it reports the transfer done, the decode
 replica streams the rest. A failed transfer frees the pages on both sides and ends the request with 503
 `kv_transfer_failed` (or, with `transfer.retry_prefill`, runs the prefill once more under a new transfer id and
@@ -30,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deploy.config import ServeConfig
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest
-from deploy.server import FirstToken, TransferOutcome
+from deploy.server import Admitted, FirstToken, TransferOutcome
 from workers.stats import EngineStats
 
 logger = logging.getLogger("m3serve.router")
@@ -182,18 +183,21 @@ class Router:
         self._last_used[order[0]] = self._picks
         return order
 
-    async def _admit(self, req: EngineRequest, p: ReplicaKey) -> ReplicaKey | EngineError:
-        """Reserve the request's pages on the first decode replica with room."""
+    async def _admit(self, req: EngineRequest, p: ReplicaKey) -> tuple[ReplicaKey, str] | EngineError:
+        """Reserve the request's pages on the first decode replica with room: (that replica, the group name its
+        prefill sends the KV to: the replica's, or with attention DP the admitting dp rank's sub-group)."""
         full = None
         for d in self._pick_decode_order():
+            gen = self._pairs[(p, d)]
             try:
-                res = await self._engines[d].admit.remote(req, self._group(p, self._pairs[(p, d)]), req.request_id)
+                res = await self._engines[d].admit.remote(req, self._group(p, gen), req.request_id,
+                                                          self._group(d, gen))
             except Exception as e:  # that replica is gone: try the next
                 full = EngineError(status=503, message=f"decode replica {d[1]} unreachable ({type(e).__name__})",
                                    code="engine_unavailable", retry_after=1.0)
                 continue
-            if not isinstance(res, EngineError):
-                return d
+            if isinstance(res, Admitted):
+                return d, res.send_to or self._group(d, gen)
             if res.code != "kv_capacity":
                 return res
             full = res
@@ -227,19 +231,19 @@ class Router:
                 sub = req if attempt == 0 else dataclasses.replace(req, request_id=f"{rid}#retry{attempt}")
                 tid = sub.request_id
                 p = self._pick("prefill")
-                d = await self._admit(sub, p)
-                if isinstance(d, EngineError):
+                admitted = await self._admit(sub, p)
+                if isinstance(admitted, EngineError):
                     done = True
-                    yield d
+                    yield admitted
                     return
+                d, send_to = admitted
                 touched.append((d, tid))
                 self._inflight[d] += 1
                 busy.append(d)
                 touched.append((p, tid))
                 self._inflight[p] += 1
                 busy.append(p)
-                pstream = self._engines[p].options(stream=True).prefill.remote(sub, self._group(d, self._pairs[(p, d)]),
-                                                                               tid)
+                pstream = self._engines[p].options(stream=True).prefill.remote(sub, send_to, tid)
                 streams.append(pstream)
                 event = await _next_event(pstream, f"prefill replica {p[1]}")
                 if isinstance(event, EngineError):

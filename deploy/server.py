@@ -8,8 +8,9 @@ exceptions: an exception crossing Ray loses its type in ways the ingress should 
 
 Roles (docs/disaggregation.md): a `unified` replica serves `generate`. A `prefill` replica serves `prefill`:
 the first token (as an `EngineChunk`), then a `TransferOutcome` once the request's KV reached the decode
-replica. A `decode` replica serves `admit` (reserve pages; refusal = an `EngineError`) and then `decode`
-(the stream after the first token). The router opens the KV pairs through `kv_listen` / `kv_connect`.
+replica. A `decode` replica serves `admit` (reserve pages and say where prefill sends the KV: with attention
+DP, the admitting dp rank's sub-group; refusal = an `EngineError`) and then `decode` (the stream after the
+first token). The router opens the KV pairs through `kv_listen` / `kv_connect`.
 """
 from __future__ import annotations
 
@@ -41,6 +42,16 @@ class TransferOutcome:
 
     ok: bool
     reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admitted:
+    """Decode replica -> router: the request's pages are reserved; the prefill replica sends its KV to `send_to`."""
+
+    num_pages: int
+    dp_rank: int | None = None  # the attention-DP rank that holds the pages (None: a dp=1 engine)
+    # the decode group name the router gave, or with attention DP its dp rank's sub-group (None: none was given)
+    send_to: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +167,7 @@ class EngineServer:
         self._counters = {"started": 0, "finished": 0, "aborted": 0, "rejected": 0}
         # KV transfers the metrics reporter recorded (prefill side: one per transfer)
         self._transfer_totals = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self._dp_admissions: dict[int, int] = {}  # decode with attention DP: admitted requests per dp rank
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -318,14 +330,26 @@ class EngineServer:
         await self._require_engine().call(lambda e: e.set_transfer_faults(faults))
 
     # -- disaggregation: decode side ------------------------------------------------------------------------
-    async def admit(self, req: EngineRequest, prefill_group: str, transfer_id: str | None = None) -> int | EngineError:
-        """Reserve the pages of a prompt that `prefill_group` computes: the page count, or an `EngineError`
-        (503 `kv_capacity` when this replica has no room now, 400 for a request it can never serve)."""
+    async def admit(self, req: EngineRequest, prefill_group: str, transfer_id: str | None = None,
+                    decode_group: str | None = None) -> Admitted | EngineError:
+        """Reserve the pages of a prompt that `prefill_group` computes: an `Admitted` (page count, dp rank, and
+        where prefill must send the KV: `decode_group`, this replica's name on the prefill side, or with
+        attention DP the admitting dp rank's sub-group of it), or an `EngineError` (503 `kv_capacity` when
+        this replica has no room now, 400 for a request it can never serve)."""
         if self._engine is None:
             return self._not_ready()
+        rid = req.request_id
+
+        def reserve(engine) -> tuple[list[int] | None, int | None]:
+            # one step-thread call: the dp rank is read before anything (a step, an abort) can move the request
+            pages = engine.admit_remote(rid, req.prompt_token_ids, req.params, group=prefill_group,
+                                        transfer_id=transfer_id, prompt=req.prompt)
+            rank_of = getattr(engine, "dp_rank_of", None)  # DPEngine only
+            return pages, (rank_of(rid) if pages is not None and rank_of is not None else None)
+
         try:
-            pages = await self._engine.admit_remote(req.request_id, req.prompt_token_ids, req.params,
-                                                    group=prefill_group, transfer_id=transfer_id, prompt=req.prompt)
+            self._engine.engine.validate_request(list(req.prompt_token_ids), req.params)
+            pages, dp_rank = await self._engine.call(reserve)
         except ValueError as e:
             self._counters["rejected"] += 1
             return EngineError(status=400, message=str(e), param=param_of(str(e)))
@@ -335,7 +359,14 @@ class EngineServer:
             return EngineError(status=503, code="kv_capacity", retry_after=RETRY_AFTER_KV_S,
                                message=f"decode replica {self._index}: no room for the prompt's KV pages now "
                                        f"({free} pages free)")
-        return len(pages)
+        if dp_rank is not None:
+            self._dp_admissions[dp_rank] = self._dp_admissions.get(dp_rank, 0) + 1
+        send_to = decode_group
+        if decode_group is not None and dp_rank is not None:
+            from workers.transfer import TransferAgent
+
+            send_to = TransferAgent.dp_group(decode_group, dp_rank)
+        return Admitted(num_pages=len(pages), dp_rank=dp_rank, send_to=send_to)
 
     async def decode(self, req: EngineRequest, first: FirstToken) -> AsyncIterator[EngineEvent]:
         """Stream an admitted request after its first token (which the client already has)."""
@@ -371,6 +402,10 @@ class EngineServer:
             if not finished and not refused:
                 self._engine.abort(req.request_id)
             self._counters["finished" if finished else "rejected" if refused else "aborted"] += 1
+
+    async def dp_admissions(self) -> dict[int, int]:
+        """Decode with attention DP: how many requests each dp rank admitted so far (empty for dp=1)."""
+        return dict(self._dp_admissions)
 
     async def kv_listen(self, prefill_group: str, prefill_tp: int) -> list:
         """Open the pairs from a prefill replica's shards; returns what they `kv_connect` to."""

@@ -1,10 +1,11 @@
-"""Disaggregated serving across parallel layouts, through the router: a prefill replica whose engine is a tp=2
-worker group (two ShardWorker actors, each sending its own KV heads from its own process) and a tp=1 decode
-replica, deployed next to the session's unified app. Concurrent greedy completions equal the unified app; a
-refused transfer from both prefill shards is a clean 503; both sides hold zero pages afterwards.
-
-(Decode with attention DP needs the router to send each request to its admitting dp rank's sub-group: see
-docs/disaggregation.md; the engine-level tests in tests/workers/test_disagg_parallel.py cover it.)"""
+"""Disaggregated serving across parallel layouts, through the router, next to the session's unified app:
+- a prefill replica whose engine is a tp=2 worker group (two ShardWorker actors, each sending its own KV heads
+  from its own process) and a tp=1 decode replica: concurrent greedy completions equal the unified app; a
+  refused transfer from both prefill shards is a clean 503;
+- a tp=1 prefill replica and a decode replica with attention DP (dp=2, ep=2: one receiving shard per dp rank,
+  the experts split over both): the decode replica admits each request on a dp rank and the router has the
+  prefill send the KV to that dp rank's sub-group; concurrent greedy completions equal the unified app.
+Both sides hold zero pages afterwards."""
 from __future__ import annotations
 
 import asyncio
@@ -17,14 +18,17 @@ from tests.deploy.pdapp import PD_CONFIG
 from workers.request import SamplingParams
 
 NAME = "pdtp2"
+DP_NAME = "pddp2"
 LENGTHS = [6, 40, 70, 97, 133, 190]  # four past the 64 tokens where sparse selection starts
 MAX_TOKENS = [5, 3, 6, 4, 5, 3]
+# tiny model, per page: 16 tokens x 4 B x (4 layers x K+V x 2 KV heads x 32 dims + index-K of 3 sparse layers x 32)
+PER_PAGE = 16 * 4 * (4 * 2 * 2 * 32 + 3 * 32)
 
 
-def handle(deployment: str):
+def handle(deployment: str, app_name: str = NAME):
     from ray import serve
 
-    return serve.get_deployment_handle(deployment, app_name=NAME)
+    return serve.get_deployment_handle(deployment, app_name=app_name)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,18 @@ def app(serve_app):
     serve_app.wait_healthy_at(base)
     yield dataclasses.replace(serve_app, base_url=base, config=config, extra_apps=[])
     serve_app.delete_extra(NAME)
+
+
+@pytest.fixture(scope="module")
+def dp_app(serve_app):
+    import dataclasses
+
+    config = {**PD_CONFIG, "api_key": serve_app.api_key,
+              "prefill": {"num_cpus_per_shard": 0.1}, "decode": {"dp": 2, "ep": 2, "num_cpus_per_shard": 0.1}}
+    base = serve_app.deploy_extra(DP_NAME, config)
+    serve_app.wait_healthy_at(base)
+    yield dataclasses.replace(serve_app, base_url=base, config=config, extra_apps=[])
+    serve_app.delete_extra(DP_NAME)
 
 
 def pages_in_use(app) -> dict[str, int]:
@@ -55,12 +71,8 @@ async def completions(app, prompts):
         await client.close()
 
 
-def test_tp2_prefill_to_tp1_decode_equals_unified(app, serve_app):
-    rng = random.Random(23)
-    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in LENGTHS]
-    got = asyncio.run(completions(app, prompts))
-    want = asyncio.run(completions(serve_app, prompts))
-    for i, (g, w) in enumerate(zip(got, want)):
+def assert_equal_to_unified(got, want) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         c, u = g.choices[0], w.choices[0]
         where = f"prompt {i} ({LENGTHS[i]} tokens)"
         assert c.model_extra["token_ids"] == u.model_extra["token_ids"] and len(c.model_extra["token_ids"]) == \
@@ -70,14 +82,21 @@ def test_tp2_prefill_to_tp1_decode_equals_unified(app, serve_app):
             assert abs(a - b) <= 1e-4, where
         for a, b in zip(c.logprobs.top_logprobs, u.logprobs.top_logprobs, strict=True):
             assert sorted(a.values()) == pytest.approx(sorted(b.values()), abs=1e-4), where
+
+
+def test_tp2_prefill_to_tp1_decode_equals_unified(app, serve_app):
+    rng = random.Random(23)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in LENGTHS]
+    got = asyncio.run(completions(app, prompts))
+    want = asyncio.run(completions(serve_app, prompts))
+    assert_equal_to_unified(got, want)
     rows = app.wait_idle()
     assert {r["role"] for r in rows} == {"prefill", "decode"}
     assert pages_in_use(app) == {"prefill-0": 0, "decode-0": 0}
     # the prefill replica reports one transfer per handed-off request (both shards' bytes together)
     totals = handle("EngineServer-prefill-0").transfer_totals.remote().result()
-    per_page = 16 * 4 * (4 * 2 * 2 * 32 + 3 * 32)
     assert totals["transfers"] == len(LENGTHS) and totals["failed"] == 0
-    assert totals["bytes"] == sum(-(-n // 16) for n in LENGTHS) * per_page
+    assert totals["bytes"] == sum(-(-n // 16) for n in LENGTHS) * PER_PAGE
 
 
 def test_refused_transfer_from_both_shards_is_a_503(app):
@@ -95,3 +114,22 @@ def test_refused_transfer_from_both_shards_is_a_503(app):
     assert "header mismatch" in err.message
     app.wait_idle()
     assert pages_in_use(app) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_tp1_prefill_to_dp2_decode_equals_unified(dp_app, serve_app):
+    rng = random.Random(29)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in LENGTHS]
+    got = asyncio.run(completions(dp_app, prompts))
+    want = asyncio.run(completions(serve_app, prompts))
+    assert_equal_to_unified(got, want)
+    dp_app.wait_idle()
+    assert pages_in_use(dp_app) == {"prefill-0": 0, "decode-0": 0}  # the decode row sums both dp ranks
+    pairs = handle("Router", DP_NAME).pairs.remote().result()
+    assert pairs == {"prefill-0->decode-0": 0}, pairs  # opened once, never broken
+    # the requests were spread over both dp ranks (each landed in the pages of the rank that admitted it)
+    admitted = handle("EngineServer-decode-0", DP_NAME).dp_admissions.remote().result()
+    assert set(admitted) == {0, 1} and min(admitted.values()) >= 2 and sum(admitted.values()) == len(LENGTHS), \
+        admitted
+    totals = handle("EngineServer-prefill-0", DP_NAME).transfer_totals.remote().result()
+    assert totals["transfers"] == len(LENGTHS) and totals["failed"] == 0
+    assert totals["bytes"] == sum(-(-n // 16) for n in LENGTHS) * PER_PAGE
