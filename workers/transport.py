@@ -16,13 +16,23 @@ backend message. So: the header is the one store message of a transfer (one-way:
 in `get`), and everything after it (payload, status) is posted on the backend only once a payload of known size
 is known to follow, with deadlines shorter than the backend's own timeout.
 
-Rendezvous: the listening side (rank 0, by convention the decode shard) hosts the TCPStore on a port the OS
-picks (`port=0`), on 127.0.0.1 unless told otherwise; the other side connects to `channel.address`. Both sides
-must then call `open()` concurrently (it is a rendezvous: the gloo constructor blocks until both ranks joined).
+Rendezvous: the listening side (rank 0, by convention the decode shard) binds a socket on a port the OS picks,
+on 127.0.0.1 unless told otherwise; the other side connects to `channel.address`. Both sides must then call
+`open()` concurrently (it is a rendezvous: the gloo constructor blocks until both ranks joined).
+
+`listen` and `connect` touch no TCPStore: `open()` (a pair worker's thread, in the background) builds them. The
+listener hands its bound socket to the store (`master_listen_fd`); a peer that connects earlier waits in the
+socket's backlog. Why: every TCPStore connection (the server's own one too) makes torch reverse-resolve the
+peer's address (`getnameinfo` without NI_NUMERICHOST, for its log text), and for the IPv4-mapped loopback
+address `/etc/hosts` does not answer, so it goes to DNS; a DNS server that drops a query costs the resolver's
+5 s timeout (seen on the test box for about 1 connection in 17-25: `PairChannel.listen`, with its three
+connections, then took 5 s in 1 of 10-20 calls; now it takes ~0 ms). In `open()` such a stall delays one pair's opening, not the caller, and pairs open side by side.
+Rank 0 also uses the server's own connection as its control client, one connection fewer.
 """
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from typing import Any
@@ -86,7 +96,7 @@ class PairChannel:
     """
 
     def __init__(self, *, rank: int, host: str, port: int, backend: str, device: torch.device | str,
-                 timeout_s: float, local_host: str, server: Any = None) -> None:
+                 timeout_s: float, local_host: str, listen_socket: socket.socket | None = None) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
         self.rank = rank
@@ -96,11 +106,12 @@ class PairChannel:
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.local_host = local_host
-        self._server = server  # the TCPStore that hosts the key space (rank 0 only); kept alive with the channel
-        # two client connections: a TCPStore client serialises its operations, so a thread blocked in `wait`
-        # on one would stall everybody else using the same object
-        self._ctl = self._client()
-        self._aux = self._client()
+        self._listen_socket = listen_socket  # rank 0, until open() hands it to the store
+        # two client connections (made by open()): a TCPStore client serialises its operations, so a thread
+        # blocked in `get` on one would stall everybody else using the same object. On rank 0 `_ctl` is the
+        # server store itself (the key space lives there and it has its own client connection).
+        self._ctl: Any = None
+        self._aux: Any = None
         self._get_timeout: float | None = None
         self._pg: Any = None
         self._open_lock = threading.Lock()
@@ -110,15 +121,22 @@ class PairChannel:
     @classmethod
     def listen(cls, *, host: str = "127.0.0.1", backend: str = "gloo", device: torch.device | str = "cpu",
                timeout_s: float = 60.0) -> PairChannel:
-        """Host the pair's store on a free port of `host` (chosen by the OS); the peer connects to `.address`."""
-        server = dist.TCPStore(host, 0, None, True, timeout=_td(timeout_s), wait_for_workers=False)
-        return cls(rank=0, host=host, port=server.port, backend=backend, device=device, timeout_s=timeout_s,
-                   local_host=host, server=server)
+        """Listen on a free port of `host` (chosen by the OS); the peer connects to `.address`. Returns at once:
+        the pair's store is built on this socket by `open()`."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, 0))
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(rank=0, host=host, port=sock.getsockname()[1], backend=backend, device=device,
+                   timeout_s=timeout_s, local_host=host, listen_socket=sock)
 
     @classmethod
     def connect(cls, address: tuple[str, int], *, backend: str = "gloo", device: torch.device | str = "cpu",
                 timeout_s: float = 60.0, local_host: str = "127.0.0.1") -> PairChannel:
-        """Join the pair whose listener published `address` = (host, port)."""
+        """Join the pair whose listener published `address` = (host, port) (its store is reached by `open()`)."""
         host, port = address
         return cls(rank=1, host=host, port=int(port), backend=backend, device=device, timeout_s=timeout_s,
                    local_host=local_host)
@@ -133,11 +151,36 @@ class PairChannel:
         except Exception as exc:  # the listener is not there (any more)
             raise PeerGone(f"store at {self.host}:{self.port}: {exc}") from exc
 
+    def _serve(self) -> Any:
+        """Rank 0: the store server on the socket bound by `listen`; the store owns (and closes) it from here."""
+        sock = self._listen_socket
+        if sock is None:
+            raise PeerGone("channel closed before it opened")
+        try:
+            server = dist.TCPStore(self.host, self.port, None, True, timeout=_td(self.timeout_s),
+                                   wait_for_workers=False, master_listen_fd=sock.fileno())
+        except Exception as exc:
+            raise _classify(exc, f"store server on {self.host}:{self.port}") from exc
+        sock.detach()
+        self._listen_socket = None
+        return server
+
+    def _connect_store(self) -> None:
+        """The control connections, once (the first `open()`)."""
+        if self._ctl is None:
+            self._ctl = self._serve() if self.rank == 0 else self._client()
+        if self._aux is None:
+            self._aux = self._client()
+
     def open(self) -> None:
-        """Build the 2-rank backend; blocks until the peer calls `open()` too (or the timeout passes)."""
+        """Reach the store, then build the 2-rank backend; blocks until the peer calls `open()` too (or the
+        timeout passes)."""
         with self._open_lock:
             if self._pg is not None:
                 return
+            if self.closed:
+                raise PeerGone("channel closed")
+            self._connect_store()
             store = dist.PrefixStore("pg", self._ctl)
             try:
                 if self.backend == "gloo":
@@ -181,9 +224,13 @@ class PairChannel:
             pass
 
     def wake(self, key: str, value: bytes) -> None:
-        """Set a key from another thread (used to wake a worker blocked in `get`)."""
+        """Set a key from another thread (used to wake a worker blocked in `get`). Before `open()` reached the
+        store there is nobody to wake: a worker checks its stop flag once `open()` returned."""
+        aux = self._aux
+        if aux is None:
+            return
         try:
-            self._aux.set(key, value)
+            aux.set(key, value)
         except Exception:
             pass  # the store is gone: the worker will notice by itself
 
@@ -254,7 +301,9 @@ class PairChannel:
             except Exception:
                 pass
         self._ctl = self._aux = None
-        self._server = None
+        sock, self._listen_socket = self._listen_socket, None
+        if sock is not None:  # never opened: the socket is still ours
+            sock.close()
 
 
 __all__ = ["PairChannel", "TransferError", "TransferTimeout", "PeerGone", "poll_until"]
