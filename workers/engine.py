@@ -372,8 +372,7 @@ class Engine:
     def _abort_remote(self, request_id: str) -> bool:
         remote = self._remote[request_id]
         remote.aborted = True
-        settled = all(agent.abort(remote.transfer_id) for agent in self.agents)
-        if settled:
+        if self._abort_on_every_agent(remote.transfer_id):
             self._drop_remote(request_id)
         return True
 
@@ -382,8 +381,14 @@ class Engine:
         remote = self._remote[request_id]
         remote.aborted, remote.failure = True, why
         self._failures.append((request_id, why))
-        if all(agent.abort(remote.transfer_id) for agent in self.agents):
+        if self._abort_on_every_agent(remote.transfer_id):
             self._drop_remote(request_id)
+
+    def _abort_on_every_agent(self, transfer_id: str) -> bool:
+        """Abort a transfer on every shard's agent (each must hear it, even after one whose part is still in
+        flight); True when all parts have settled."""
+        settled = [agent.abort(transfer_id) for agent in self.agents]
+        return all(settled)
 
     def _drop_remote(self, request_id: str) -> None:
         """Forget a remote request whose transfer settled; free its pages (abort or failure)."""
