@@ -141,6 +141,16 @@ class Prometheus:
     def target_health(self) -> list[str]:
         return [t["health"] for t in self.api("targets")["activeTargets"]]
 
+    def wait_healthy(self, timeout_s: float = 30.0) -> list[str]:
+        """Wait until every target's last scrape succeeded. On a loaded 2-core machine one scrape of Ray's
+        metrics endpoint can overrun its timeout; the next one decides."""
+        deadline = time.monotonic() + timeout_s
+        health = self.target_health()
+        while time.monotonic() < deadline and health != ["up"] * len(self.targets):
+            time.sleep(0.5)
+            health = self.target_health()
+        return health
+
 
 def has_finite_value(result: list[dict]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)

@@ -212,7 +212,7 @@ def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_p
     pop = serve_app.pop_request_stats
     with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
         before = _settled_baseline(serve_app, prom, pop, {"unified"})
-        assert prom.target_health() == ["up"]
+        assert prom.wait_healthy() == ["up"]
         result, by_role = _bench_and_drain(serve_app, tmp_path, pop, {"unified"})
         stats = by_role["unified"]
 

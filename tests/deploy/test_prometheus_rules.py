@@ -171,7 +171,7 @@ def test_dashboard_queries_return_data_from_a_real_prometheus(tmp_path):
         # 3+ scrapes so every rate window holds 2+ samples of moving counters
         prom.wait_until("count(count_over_time(ray_m3serve_prompt_tokens_total[30s]) >= 4)",
                         lambda v: v is not None and v >= 3, timeout_s=40)
-        assert prom.target_health() == ["up"]
+        assert prom.wait_healthy() == ["up"]
         empty = []
         for title, ref, expr in dashboard_queries(rate_interval="30s"):
             result = prom.query(expr)
