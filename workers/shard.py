@@ -47,7 +47,6 @@ class ShardWorker:
         self.ctx = None
         self.runner: ModelRunner | None = None
         self._store = None
-        self._listen_socket: socket.socket | None = None
         self.num_calls = 0  # group steps this rank ran (one Ray call each)
         self.agent = None  # this shard's KV transfer end (workers.transfer.TransferAgent), prefill/decode roles
         if self.parallel.world_size == 1:
@@ -65,11 +64,11 @@ class ShardWorker:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.bind((host, 0))
         sock.listen(128)
-        self._listen_socket = sock
         port = sock.getsockname()[1]
         self._store = TCPStore(host, port, self.parallel.world_size, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=self.collective_timeout_s),
                                master_listen_fd=sock.fileno())
+        sock.detach()  # the store owns the descriptor now and closes it; Python must not close it a second time
         return host, port
 
     def start(self, host: str, port: int) -> dict:
