@@ -238,10 +238,32 @@ class EngineServer:
         if self._engine is None:
             yield self._not_ready()
             return
-        from workers.async_engine import EngineDeadError, QueueFullError
+        from workers.async_engine import QueueFullError
 
-        tracker = _DeltaTracker()
+        def error_for(e: Exception) -> EngineError | None:
+            if isinstance(e, QueueFullError):
+                return EngineError(status=429, message=str(e) or "the waiting queue is full; retry later",
+                                   code="queue_full", retry_after=RETRY_AFTER_QUEUE_FULL_S)
+            if isinstance(e, ValueError):
+                return EngineError(status=400, message=str(e), param=param_of(str(e)))
+            return None
+
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
+        stream = self._stream(req.request_id, outputs, _DeltaTracker(), error_for)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, request_id: str, outputs, tracker: "_DeltaTracker",
+                      error_for) -> AsyncIterator[EngineEvent]:
+        """The deltas of one engine stream. `error_for(exc)` maps an engine exception to what the client sees
+        (None: not an answer we give, re-raise); a dead step thread fails the replica. Closing the stream early
+        aborts the request in the engine and frees its pages (client gone, or cancelled by Serve when the HTTP
+        client disconnected); the explicit abort covers an iterator never started."""
+        from workers.async_engine import EngineDeadError
+
         self._counters["started"] += 1
         finished = refused = False
         try:
@@ -250,25 +272,21 @@ class EngineServer:
                 if chunk is not None:
                     finished = chunk.finished
                     yield chunk
-        except QueueFullError as e:
+        except Exception as e:  # noqa: BLE001 - mapped to an answer below, or re-raised
+            if isinstance(e, EngineDeadError):  # this replica serves nothing more until Serve restarts it
+                self._state, self._error, self._died = "failed", str(e), True
+                error = EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+            else:
+                error = error_for(e)
+            if error is None:
+                raise
             refused = True
-            yield EngineError(status=429, message=str(e) or "the waiting queue is full; retry later",
-                              code="queue_full", retry_after=RETRY_AFTER_QUEUE_FULL_S)
-        except ValueError as e:
-            refused = True
-            yield EngineError(status=400, message=str(e), param=param_of(str(e)))
-        except EngineDeadError as e:  # the step thread died: this replica serves nothing more until restarted
-            refused = True
-            self._state, self._error, self._died = "failed", str(e), True
-            yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+            yield error
         finally:
-            # Closing the engine's iterator aborts the request and frees its pages (client gone, or cancelled
-            # by Serve when the HTTP client disconnected); the explicit abort covers an iterator never started.
             await outputs.aclose()
             if not finished and not refused:
-                self._engine.abort(req.request_id)
-            outcome = "finished" if finished else "rejected" if refused else "aborted"
-            self._counters[outcome] += 1
+                self._engine.abort(request_id)
+            self._counters["finished" if finished else "rejected" if refused else "aborted"] += 1
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
@@ -373,35 +391,23 @@ class EngineServer:
         if self._engine is None:
             yield self._not_ready()
             return
-        from workers.async_engine import EngineDeadError
         from workers.engine import KVTransferFailed
 
-        tracker = _DeltaTracker(first)
+        def error_for(e: Exception) -> EngineError | None:
+            if isinstance(e, KVTransferFailed):
+                return EngineError(status=503, message=f"the request's KV did not reach the decode replica: {e}",
+                                   code="kv_transfer_failed", retry_after=RETRY_AFTER_KV_S)
+            if isinstance(e, (ValueError, KeyError)):
+                return EngineError(status=500, message=f"decode: {e}", code="internal_error")
+            return None
+
         outputs = self._engine.generate_remote(req.request_id, first.token_id, first.logprobs)
-        self._counters["started"] += 1
-        finished = refused = False
+        stream = self._stream(req.request_id, outputs, _DeltaTracker(first), error_for)
         try:
-            async for out in outputs:
-                chunk = tracker.chunk(out)
-                if chunk is not None:
-                    finished = chunk.finished
-                    yield chunk
-        except KVTransferFailed as e:
-            refused = True
-            yield EngineError(status=503, message=f"the request's KV did not reach the decode replica: {e}",
-                              code="kv_transfer_failed", retry_after=RETRY_AFTER_KV_S)
-        except (ValueError, KeyError) as e:
-            refused = True
-            yield EngineError(status=500, message=f"decode: {e}", code="internal_error")
-        except EngineDeadError as e:
-            refused = True
-            self._state, self._error, self._died = "failed", str(e), True
-            yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+            async for event in stream:
+                yield event
         finally:
-            await outputs.aclose()
-            if not finished and not refused:
-                self._engine.abort(req.request_id)
-            self._counters["finished" if finished else "rejected" if refused else "aborted"] += 1
+            await stream.aclose()
 
     async def dp_admissions(self) -> dict[int, int]:
         """Decode with attention DP: how many requests each dp rank admitted so far (empty for dp=1)."""
