@@ -93,9 +93,11 @@ def test_each_rank_peak_memory_tracks_its_shard(tmp_path):
         # tp halves attention, dense MLP, shared expert and vocab; ep halves the experts; norms/router replicated
         assert m["shard"] < 0.55 * single["shard"], f"rank {r}: shard {m['shard'] / MB:.1f} MB"
         # peak growth near the shard: its parameters, plus at most the mapped pages of one open file and slack
-        assert m["growth"] < m["shard"] + largest_file + 8 * MB, (f"rank {r}: peak grew {m['growth'] / MB:.1f} MB for a "
+        # (allocator arenas and process-group buffers vary by a few MB from run to run: 16 MB of slack; a rank
+        # that materialised the whole model would grow by the full 83 MB plus its shard)
+        assert m["growth"] < m["shard"] + largest_file + 16 * MB, (f"rank {r}: peak grew {m['growth'] / MB:.1f} MB for a "
                                                    f"{m['shard'] / MB:.1f} MB shard of a {full_bytes / MB:.1f} MB model")
-        assert m["growth"] < 0.6 * single["growth"]
+        assert m["growth"] < 0.75 * single["growth"], (r, m["growth"] / MB, single["growth"] / MB)
 
 
 if __name__ == "__main__":
