@@ -33,6 +33,23 @@ def runnable(kernel, device: torch.device):
     return kernel
 
 
+_ARRIVAL_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def arrival_counters(owner: str, n: int, device: torch.device,
+                     min_size: int = 1024) -> torch.Tensor | None:
+    """A zeroed int32 [>= n] buffer of `owner`'s kernels, which count arriving programs in it and leave it zeroed
+    again (the last program to arrive does the tail work). None when it would have to be (re)allocated during
+    CUDA-graph capture: the caller then takes its path without counters. One stream at a time per owner."""
+    key = (owner, device)
+    buf = _ARRIVAL_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = _ARRIVAL_COUNTERS[key] = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
+    return buf
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._paged import gather_context, request_rows
-from kernels._triton import next_pow2, num_sms, runnable, use_triton
+from kernels._triton import arrival_counters, next_pow2, num_sms, runnable, use_triton
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -215,18 +215,6 @@ ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128}
 # 11.9 vs 8.3 us). True/False force either.
 ATTN_OPTS = {"preload": None, "fold_merge": None}
 MAX_FOLD_SPLITS = 4
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(n: int, device: torch.device) -> torch.Tensor | None:
-    """A zeroed int32 [>= n] buffer that the kernel leaves zeroed again; None when it would have to be
-    (re)allocated during CUDA-graph capture (the caller then launches the merge kernel). One stream at a time."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def default_attn_splits(num_rows: int, num_kv_heads: int, max_tiles: int, device: torch.device, *,
@@ -282,7 +270,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     fold = ATTN_OPTS["fold_merge"] if fold_merge is None else fold_merge
     if fold is None:
         fold = sparse and splits <= MAX_FOLD_SPLITS
-    counters = _arrival_counters(n * hkv, q.device) if fold and not one else None
+    counters = arrival_counters("attention", n * hkv, q.device, 4096) if fold and not one else None
     pre = ATTN_OPTS["preload"] if preload is None else preload
     if pre is None:
         pre = splits >= max_tiles

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._paged import gather_context, request_rows
-from kernels._triton import next_pow2, num_sms, runnable, use_triton
+from kernels._triton import arrival_counters, next_pow2, num_sms, runnable, use_triton
 
 
 def index_topk_ref(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -210,20 +210,6 @@ def default_kv_splits(num_rows: int, max_blocks: int, device: torch.device) -> i
 # both with the arg-max tail (B=1 x 8.7k: 11.5 vs 8.0 us) and with the rank tail (12.2 vs 6.5 us; B=64: 59.9 vs
 # 43.0): the last program of a row selects for all heads alone, after every other program (docs/benchmarks.md).
 FUSED_MAX_BLOCKS = 0
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(n: int, device: torch.device) -> torch.Tensor | None:
-    """A zeroed int32 [>= n] buffer that the fused kernels leave zeroed again; None when it would have to be
-    (re)allocated during CUDA-graph capture (the caller then takes the unfused path). One stream at a time."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _COUNTERS[device] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
-
-
 def _rank_tiles(heads: int, block_nb: int) -> int:
     """BLOCK_J of a rank selection: compare tiles [heads, block_nb, BLOCK_J] of about _COMPARES elements."""
     return max(1, min(block_nb, _COMPARES // (heads * block_nb)))
@@ -304,7 +290,7 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
         scores = torch.empty((n, hi, max_pages), dtype=torch.float32, device=q_idx.device)
     counters = None
     if fused if fused is not None else max_pages <= FUSED_MAX_BLOCKS:
-        counters = _arrival_counters(n, q_idx.device)
+        counters = arrival_counters("index_topk", n, q_idx.device)
     if counters is not None:
         index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
                            num_kv_splits=num_kv_splits, select_into=out, topk=topk, local_blocks=local_blocks,
