@@ -31,6 +31,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+# These launch Triton on CPU tensors, which needs the interpreter (set without CUDA by tests/conftest.py); on a
+# GPU machine Triton compiles for the GPU and the GPU test at the end covers the kernel.
+interpreter = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter test; the GPU test covers CUDA")
+
+
+@interpreter
 def test_runs_layout_and_word_size():
     k, v, ik = _caches(0)
     plan = PageCopyPlan(_views(k, v, ik), 5, backend="triton")
@@ -42,6 +48,7 @@ def test_runs_layout_and_word_size():
     assert not PageCopyPlan([perm[:, :2]], 2, backend="triton").fused
 
 
+@interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gather_equals_reference_with_ranges_offsets_and_gaps(dtype):
     k, v, ik = _caches(2, dtype=dtype)
@@ -62,8 +69,7 @@ def test_gather_equals_reference_with_ranges_offsets_and_gaps(dtype):
     seg = want[offsets[3]:offsets[3] + 3 * rows[3]].view(dtype).view(3, 4, 2, 8)
     assert torch.equal(_bytes(seg), _bytes(v[1][ids[1:4]][:, :, 1:3]))
     assert (want[:16] == POISON).all() and (want[offsets[1] - 24:offsets[1]] == POISON).all()
-
-
+@interpreter
 def test_scatter_writes_only_the_listed_pages_and_heads():
     k, v, ik = _caches(3)
     src_views = _views(k, v, ik)
@@ -86,8 +92,7 @@ def test_scatter_writes_only_the_listed_pages_and_heads():
     ref_k, ref_v, ref_ik = [t.clone() for t in before[:2]], [t.clone() for t in before[2:4]], before[4].clone()
     scatter_pages_from_ref(_views(ref_k, ref_v, ref_ik), ids_dst, buf)
     assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(dk + dv + [dik], ref_k + ref_v + [ref_ik]))
-
-
+@interpreter
 def test_rows_split_over_several_programs_and_narrow_words():
     """Rows larger than one loop step split over grid z (and a partial last part); 2-byte words on odd dims."""
     gen = torch.Generator().manual_seed(5)
@@ -104,8 +109,7 @@ def test_rows_split_over_several_programs_and_narrow_words():
         assert torch.equal(got, want)
     assert PageCopyPlan([big], 2, backend="triton").grid == (1, 2, 3)
     assert PageCopyPlan([odd], 2, backend="triton").word_dtype == torch.int16
-
-
+@interpreter
 def test_plan_is_reused_for_other_page_ids_and_checks_inputs():
     k, v, ik = _caches(6)
     caches = _views(k, v, ik)
