@@ -27,6 +27,7 @@ Pages may be freed (both sides) once a request is *settled*: every pair operatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import json
 import queue
@@ -160,6 +161,9 @@ class KVHeader:
     max_chunk_bytes: int
     checksum: bool
     version: int = _HEADER_VERSION
+    # set when the sender failed before any payload went out (e.g. the first gather): no payload and no status
+    # follow, the receiver fails the request with this text and the pair stays in step
+    error: str = ""
 
     def encode(self) -> bytes:
         return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()},
@@ -647,6 +651,7 @@ class _Flight:
     sums: torch.Tensor | None = None  # [chunks] int64 on the device, when checksums travel
     sums_posted: bool = False
     ack: tuple | None = None  # (work, status buffer): the receiver's answer, posted after the payload
+    staged: torch.Tensor | None = None  # chunk 0, gathered before the header was put
 
 
 class _Slot:
@@ -734,6 +739,16 @@ class _SendWorker(_PairWorker):
         except Exception as exc:
             self._fail(op, exc)
             return None
+        flight = _Flight(op=op, layout=layout, deadline=op.started + cfg.timeout_s, checksum=header.checksum)
+        try:  # the first chunk's gather runs on the device while the header travels
+            with self._on_stream():
+                if op.ready_event is not None:  # the pages were written on the caller's stream
+                    self._stream.wait_event(op.ready_event)
+                if layout.sizes:
+                    flight.staged = self._gather(flight, 0)
+        except Exception as exc:
+            self._abandon(op, header, exc)
+            return None
         try:
             self.channel.put(f"h{self.seq}", header.encode(), tag=op.request_id)
         except TransferError as exc:  # nothing was posted: the store (listener) is gone
@@ -742,11 +757,8 @@ class _SendWorker(_PairWorker):
         self.seq += 1
         op.num_bytes = header.total_bytes()
         op.marks["header"] = time.monotonic()
-        flight = _Flight(op=op, layout=layout, deadline=op.started + cfg.timeout_s, checksum=header.checksum)
         try:
             with self._on_stream():
-                if op.ready_event is not None:  # the pages were written on the caller's stream
-                    self._stream.wait_event(op.ready_event)
                 if flight.checksum:
                     flight.sums = torch.empty(len(layout.sizes), dtype=torch.int64, device=self.end.device)
                 self._post_chunks(flight, block=False)
@@ -756,8 +768,25 @@ class _SendWorker(_PairWorker):
         op.marks["posted"] = time.monotonic()
         return flight
 
+    def _abandon(self, op: _Op, header: KVHeader, exc: BaseException) -> None:
+        """A failure before anything went out: tell the receiver with an error header (so its op fails now
+        instead of at its receive timeout) and fail the op; the pair stays in step."""
+        why = str(exc) if isinstance(exc, TransferError) else f"internal: {type(exc).__name__}: {exc}"
+        try:
+            self.channel.put(f"h{self.seq}", dataclasses.replace(header, error=why[:1000]).encode(),
+                             tag=op.request_id)
+        except TransferError as put_exc:
+            self._fail(op, put_exc)
+            return
+        self.seq += 1
+        self.end._finish(op, TransferState.FAILED, why)
+
     def _gather(self, flight: _Flight, i: int) -> torch.Tensor:
-        """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA."""
+        """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA (chunk 0
+        was gathered before the header went out)."""
+        if i == 0 and flight.staged is not None:
+            buf, flight.staged = flight.staged, None
+            return buf
         buf = torch.empty(flight.layout.sizes[i], dtype=torch.uint8, device=self.end.device)
         flight.layout.plans[i].gather(flight.op.page_ids, buf)
         return buf
@@ -778,6 +807,8 @@ class _SendWorker(_PairWorker):
                 flight.sums[i] = _words_sum(buf)
             flight.sends.append((self.channel.send(buf, tag=rid), buf))
             flight.next_chunk += 1
+            if i == 0:
+                flight.op.marks["send0"] = time.monotonic()
         if flight.checksum and not flight.sums_posted:
             flight.sends.append((self.channel.send(flight.sums, tag=rid), flight.sums))
             flight.sums_posted = True
@@ -838,6 +869,8 @@ class _RecvWorker(_PairWorker):
     (stream-ordered behind its receive on NCCL: no CPU wait until everything is queued), settles, and answers
     with the status over the backend."""
 
+    _ok: torch.Tensor | None = None
+
     def stop(self) -> None:
         super().stop()
         self.channel.wake(f"h{self.seq}", _CLOSE)
@@ -896,10 +929,16 @@ class _RecvWorker(_PairWorker):
         """Take one payload and answer it; returns False when the pair broke."""
         cfg = self.end.config
         op, problem = self._claim(header)
+        if header.error:  # the sender gave up before the payload: nothing follows on the wire
+            if op is not None:
+                self.end._finish(op, TransferState.FAILED, f"sender failed: {header.error}")
+            self.channel.delete(f"h{seq}")
+            return True
         deadline = time.monotonic() + cfg.timeout_s
         if op is not None:
             op.num_bytes = header.total_bytes()
             op.marks["header"] = arrived
+            op.marks["claimed"] = deadline - cfg.timeout_s
         pieces = header.pieces()
         page_bytes = [p[2] for p in pieces]
         if op is not None and problem is None:
@@ -921,6 +960,8 @@ class _RecvWorker(_PairWorker):
                         self._land(*inflight.popleft(), op, plans, sums, deadline)
                     buf = torch.empty(nbytes, dtype=torch.uint8, device=self.end.device)
                     inflight.append((i, buf, self.channel.recv(buf, tag=header.request_id)))
+                    if i == 0 and op is not None:
+                        op.marks["recv0"] = time.monotonic()
                 while inflight:
                     self._land(*inflight.popleft(), op, plans, sums, deadline)
                 if header.checksum:
@@ -945,13 +986,20 @@ class _RecvWorker(_PairWorker):
             self.end._finish(op, TransferState.DONE if problem is None else TransferState.FAILED, problem)
         try:
             with self._on_stream():
-                status = _encode_status(ok, reason, self.end.device)
+                status = self._ok_status() if ok else _encode_status(ok, reason, self.end.device)
                 self.channel.wait_work(self.channel.send(status, tag=header.request_id), deadline, "status")
         except TransferError as exc:
             self._break(str(exc))
             return False
         self.channel.delete(f"h{seq}")  # after the answer: off the sender's critical path
         return True
+
+    def _ok_status(self) -> torch.Tensor:
+        """The answer to a good payload, built once (no host-to-device copy per transfer). Only ever read by the
+        backend's send, so sharing it between transfers of this pair is safe."""
+        if self._ok is None:
+            self._ok = _encode_status(True, None, self.end.device)
+        return self._ok
 
     def _land(self, i: int, buf: torch.Tensor, work, op: _Op | None, plans, sums, deadline: float) -> None:
         """Scatter received chunk i into the prepared pages (unless refused), ordered after its receive: one

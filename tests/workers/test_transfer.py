@@ -549,7 +549,8 @@ def test_two_ray_actors_move_pages_bitwise():
 
 
 def test_device_error_mid_payload_fails_both_sides(monkeypatch):
-    """An exception that is not a wire error (here: the gather) must still settle the op, never hang it."""
+    """An exception that is not a wire error (here: the gather, before anything went out) must still settle the
+    op on both sides at once (an error header, not the receiver's timeout), and the pair stays usable."""
     import workers.transfer as transfer
 
     def broken_gather(*a, **k):
@@ -566,7 +567,14 @@ def test_device_error_mid_payload_fails_both_sides(monkeypatch):
         sender.send("z", [2, 3])
         s, r = sender.wait("z", 5), receiver.wait("z", 5)
         assert s.state is TransferState.FAILED and "internal: RuntimeError: simulated device fault" in s.reason
-        assert r.state is TransferState.FAILED and r.settled
+        assert r.state is TransferState.FAILED and r.settled and "sender failed" in r.reason
+        monkeypatch.undo()
+        receiver.prepare_receive("ok", [0, 1])
+        sender.send("ok", [2, 3])
+        assert sender.wait("ok", 10).state is TransferState.DONE
+        assert receiver.wait("ok", 10).state is TransferState.DONE
+        for layer in range(src.num_layers):
+            assert torch.equal(dst.k[layer][[0, 1]], src.k[layer][[2, 3]])
     finally:
         sender.close(), receiver.close()
 
