@@ -184,6 +184,8 @@ class Engine:
             self.agents = make_agents(role, self.model_config.num_key_value_heads, self.transfer_config)
         self._handoffs: dict[str, _Handoff] = {}
         self._remote: dict[str, _Remote] = {}
+        # decode: prefill group -> its per-prefill-dp-rank sub-groups (a prefill with attention DP, kv_listen)
+        self._split: dict[str, list[str]] = {}
         self._failures: list[tuple[str, str]] = []  # (request id, reason): decode requests that lost their KV
         self._outcomes: list[tuple[str, bool, str | None]] = []  # prefill: (request id, transfer ok, reason)
         self._transfer_stats: list[TransferStats] = []
@@ -493,26 +495,48 @@ class Engine:
             agent.add_listener(fn)
 
     # pairs (each shard's agent takes the routes of its tp rank; the lists cover every shard of the group)
-    def kv_listen(self, group: str, remote_tp: int) -> list:
+    def kv_listen(self, group: str, remote_tp: int, remote_dp: int = 1) -> list:
         """Decode role: open the pairs from prefill group `group` (tp `remote_tp`); returns what its shards
-        `kv_connect` to: [(route as a dict, (host, port))]."""
-        return [x for agent in self.agents for x in agent.listen(group, remote_tp)]
+        `kv_connect` to: [(route as a dict, (host, port))].
+
+        A prefill group with attention DP (`remote_dp` > 1) sends each request from the shards of the dp rank
+        that ran it, so each of its dp ranks needs pairs of its own: they are opened under the sub-group
+        `TransferAgent.dp_group(group, q)` and each entry is tagged "src_dp": q (the prefill engine hands dp
+        rank q its entries). A request that prefill dp rank q computes is admitted under that sub-group;
+        `kv_drop`, `kv_broken` and `kv_wait_ready` of `group` cover all of them."""
+        if remote_dp == 1:
+            return [x for agent in self.agents for x in agent.listen(group, remote_tp)]
+        self.kv_drop(group)  # a previous listen of this name (split or not)
+        subs = [TransferAgent.dp_group(group, q) for q in range(remote_dp)]
+        self._split[group] = subs
+        return [({**route, "src_dp": q}, address) for q, sub in enumerate(subs) for agent in self.agents
+                for route, address in agent.listen(sub, remote_tp)]
+
+    def _family(self, group: str) -> list[str]:
+        """The pair groups behind the name `group`: its prefill-dp sub-groups when split, else itself."""
+        return self._split.get(group, [group])
 
     def kv_connect(self, group: str, listened: list) -> None:
         """Prefill role: join the pairs decode group `group` listens on (returns at once; see kv_wait_ready)."""
+        tagged = sorted({route["src_dp"] for route, _address in listened if "src_dp" in route})
+        if tagged:  # the decode side opened pairs per prefill dp rank: a DPEngine hands each rank its own
+            raise ValueError(f"listened: pairs for prefill dp ranks {tagged}, but this prefill engine has dp=1 "
+                             f"(the decode side must listen with remote_dp=1)")
         for agent in self.agents:
             agent.connect(group, listened)
 
     def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
-        for agent in self.agents:
-            agent.wait_ready(timeout_s, group)
+        for g in [None] if group is None else self._family(group):
+            for agent in self.agents:
+                agent.wait_ready(timeout_s, g)
 
     def kv_drop(self, group: str) -> None:
-        for agent in self.agents:
-            agent.drop(group)
+        for g in self._split.pop(group, [group]):
+            for agent in self.agents:
+                agent.drop(g)
 
     def kv_broken(self, group: str) -> str | None:
-        return next((why for agent in self.agents if (why := agent.broken(group))), None)
+        return next((why for g in self._family(group) for agent in self.agents if (why := agent.broken(g))), None)
 
     def set_transfer_faults(self, faults: dict[str, str]) -> None:
         """Tests and drills: break the transfers of these ids (FaultyChannel kinds) on this prefill engine."""

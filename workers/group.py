@@ -13,7 +13,9 @@ batch goes to every rank.
 per dp rank, each new request assigned to the least loaded dp rank, and every step runs all dp ranks' batches in
 one group step. A dp rank with nothing to do gets no batch; when its MoE collectives span other dp ranks
 (`ep > tp`) it still runs an empty forward so its peers never wait. `Engine(..., parallel=ParallelConfig(dp=2))`
-builds one. It serves the unified and decode roles (a remote request is admitted on one dp rank).
+builds one. It serves every role: as decode a remote request is admitted on one dp rank (its pages, its
+receiving shards); as prefill a request is placed on one dp rank first (`place_request`), so the decode side
+prepares the receive from that dp rank's shards, which then send it.
 
 `GroupTransferAgent` is the engine's end of disaggregation over a tp group's shards: each `ShardWorker` hosts
 the `TransferAgent` of its own KV pages, and the engine's transfer calls fan out to them (docs/disaggregation.md).
@@ -24,6 +26,7 @@ import dataclasses
 import pickle
 import threading
 import time
+from collections import ChainMap
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -593,10 +596,6 @@ class DPEngine(Engine):
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: str = "unified",
                  executor=None, transfer=None, **unsupported) -> None:
-        if role not in ("unified", "decode"):
-            raise NotImplementedError(f"role: {role!r} with dp={parallel.dp} (attention data parallel serves "
-                                      f"unified and decode engines; a prefill replica with dp would need the "
-                                      f"decode side to listen per prefill dp rank)")
         if unsupported:
             raise NotImplementedError(f"{sorted(unsupported)[0]}: not supported with dp={parallel.dp}")
         if executor == "local":
@@ -626,7 +625,12 @@ class DPEngine(Engine):
         self.page_size = first.page_size
         self.eos_token_ids = first.eos_token_ids
         self.transfer_config = first.transfer_config
-        self._owner: dict[str, int] = {}  # request id -> its dp rank, while in flight
+        # request id -> its dp rank, while in flight; prefill: request id -> (dp rank, when) placed but not added
+        # yet. The server places from its event loop while the step thread steps (through the step thread a
+        # placement would wait out a whole prefill step), so both maps and their readers go under this lock.
+        self._owner: dict[str, int] = {}
+        self._placed: dict[str, tuple[int, float]] = {}
+        self._load_lock = threading.Lock()
         self._step_stats: list[StepStats] = []
         self.num_steps = 0
 
@@ -635,29 +639,83 @@ class DPEngine(Engine):
         self.cores[0].validate_request(prompt_token_ids, params)
 
     def least_loaded_rank(self) -> int:
-        """The dp rank with the fewest requests in flight (then the most free pages, then the lowest rank)."""
+        """The dp rank with the fewest requests in flight or placed (then the most free pages, then the lowest
+        rank)."""
         return self._ranks_by_load()[0]
 
     def _ranks_by_load(self) -> list[int]:
         load = [0] * len(self.cores)
-        for d in self._owner.values():
-            load[d] += 1
+        with self._load_lock:
+            for d in (*self._owner.values(), *(d for d, _t in self._placed.values())):
+                load[d] += 1
         return sorted(range(len(self.cores)), key=lambda d: (load[d], -self.cores[d].pages.num_free_pages, d))
 
+    def _set_owner(self, request_id: str, dp_rank: int | None) -> int | None:
+        """Record (or with None drop) a request's dp rank; returns the one it had."""
+        with self._load_lock:
+            before = self._owner.pop(request_id, None)
+            if dp_rank is not None:
+                self._owner[request_id] = dp_rank
+            return before
+
+    def place_request(self, request_id: str) -> int:
+        """Prefill role: choose the dp rank that will run `request_id` (the least loaded; placed requests count
+        as load) and hold it for `add_request`. The caller has the decode side prepare the receive from that
+        dp rank's shards (`TransferAgent.dp_group(<this group's name>, rank)`) before adding the request.
+        Thread-safe (the one call that may come from another thread than the one stepping). A placement that
+        is neither added nor aborted within the transfer lease is forgotten (its router went away)."""
+        if self.role != "prefill":
+            raise ValueError(f"role: only a prefill engine places requests on a dp rank (this one is {self.role})")
+        now = time.monotonic()
+        with self._load_lock:
+            if request_id in self._owner or request_id in self._placed:
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            for rid, (_d, t) in list(self._placed.items()):
+                if now - t > self.transfer_config.lease_s:
+                    del self._placed[rid]
+        d = self._ranks_by_load()[0]
+        with self._load_lock:
+            self._placed[request_id] = (d, now)
+        return d
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                    prompt: str | None = None, arrival_time: float | None = None) -> None:
-        if request_id in self._owner:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
-        d = self.least_loaded_rank()
-        self.cores[d].add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time)
-        self._owner[request_id] = d
+                    prompt: str | None = None, arrival_time: float | None = None, handoff_to: str | None = None,
+                    transfer_id: str | None = None) -> None:
+        """On the placed dp rank (`place_request`), else the least loaded. A request handed off to a decode
+        group must have been placed: the decode side prepared its receive for one dp rank's shards."""
+        with self._load_lock:
+            if request_id in self._owner:
+                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            placed = self._placed.pop(request_id, None)
+        if handoff_to is not None and placed is None and self.role == "prefill":
+            raise ValueError(f"handoff_to: a prefill engine with dp={len(self.cores)} hands off only requests "
+                             f"placed first (place_request): the decode side prepares the receive from the "
+                             f"shards of the dp rank that runs it")
+        d = placed[0] if placed is not None else self.least_loaded_rank()
+        self.cores[d].add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time,
+                                  handoff_to=handoff_to, transfer_id=transfer_id)
+        self._set_owner(request_id, d)
 
     def dp_rank_of(self, request_id: str) -> int | None:
-        return self._owner.get(request_id)
+        """The dp rank that holds the request (or has it placed)."""
+        with self._load_lock:
+            d = self._owner.get(request_id)
+            placed = self._placed.get(request_id)
+        return d if d is not None else placed[0] if placed is not None else None
 
     def abort_request(self, request_id: str) -> bool:
-        d = self._owner.pop(request_id, None)
-        return d is not None and self.cores[d].abort_request(request_id)
+        with self._load_lock:
+            placed = self._placed.pop(request_id, None)
+        d = self._set_owner(request_id, None)
+        if d is None:
+            return placed is not None  # placed and never added (its decode admission failed): nothing to free
+        return self.cores[d].abort_request(request_id)
+
+    @property
+    def _handoffs(self):
+        """Every core's prefill hand-offs as one mapping (the async step loop asks whether an added request
+        will hand off)."""
+        return ChainMap(*(core._handoffs for core in self.cores))
 
     # ---- disaggregation: decode role ------------------------------------------------------------------------
     # Each dp rank is its own receiver: its tp group's shards listen for every prefill group, and a request
@@ -670,19 +728,19 @@ class DPEngine(Engine):
         when no dp rank has room now."""
         if self.role != "decode":
             raise ValueError(f"role: only a decode engine admits remote prefills (this one is {self.role})")
-        if request_id in self._owner:
+        if self.dp_rank_of(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         for d in self._ranks_by_load():
             pages = self.cores[d].admit_remote(request_id, prompt_token_ids, params, group=group,
                                                transfer_id=transfer_id, prompt=prompt, arrival_time=arrival_time)
             if pages is not None:
-                self._owner[request_id] = d
+                self._set_owner(request_id, d)
                 return pages
         return None
 
     def continue_remote(self, request_id: str, first_token: int,
                         first_logprobs: dict[int, float] | None = None) -> None:
-        d = self._owner.get(request_id)
+        d = self.dp_rank_of(request_id)
         if d is None:
             raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
         self.cores[d].continue_remote(request_id, first_token, first_logprobs)
@@ -690,14 +748,31 @@ class DPEngine(Engine):
     def poll_transfers(self) -> list[RequestOutput]:
         return [out for core in self.cores for out in core.poll_transfers()]
 
-    def kv_listen(self, group: str, remote_tp: int) -> list:
+    def kv_listen(self, group: str, remote_tp: int, remote_dp: int = 1) -> list:
         """Open the pairs from prefill group `group` into every dp rank's shards; each entry is tagged with
-        its dp rank (the prefill side makes one sub-group per dp rank of it)."""
+        its dp rank (the prefill side makes one sub-group per dp rank of it). A prefill group with dp
+        (`remote_dp` > 1) gets pairs per its own dp rank too (`Engine.kv_listen`): every (prefill dp rank,
+        decode dp rank) meets."""
         return [({**route, "dp": d}, address) for d, core in enumerate(self.cores)
-                for route, address in core.kv_listen(group, remote_tp)]
+                for route, address in core.kv_listen(group, remote_tp, remote_dp)]
 
+    # ---- disaggregation: prefill role -----------------------------------------------------------------------
+    # Each dp rank sends the requests it ran from its own tp group's shards: the decode side listened once per
+    # prefill dp rank (`kv_listen(..., remote_dp=dp)`, entries tagged "src_dp"), and each core joins the pairs
+    # of its rank under the decode group's name, so `handoff_to` names the same decode group on every core.
     def kv_connect(self, group: str, listened: list) -> None:
-        raise ValueError(f"role: only a prefill engine connects (this one is {self.role})")
+        if self.role != "prefill":
+            raise ValueError(f"role: only a prefill engine connects (this one is {self.role})")
+        by_rank: dict[int | None, list] = {}
+        for route, address in listened:
+            fields = dict(route)
+            by_rank.setdefault(fields.pop("src_dp", None), []).append((fields, address))
+        if sorted(by_rank, key=str) != list(range(len(self.cores))):
+            raise ValueError(f"listened: pairs for prefill dp ranks {sorted(by_rank, key=str)}, but this prefill "
+                             f"engine has dp={len(self.cores)} (the decode side must listen with "
+                             f"remote_dp={len(self.cores)})")
+        for d, core in enumerate(self.cores):
+            core.kv_connect(group, by_rank[d])
 
     def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
         for core in self.cores:
@@ -712,7 +787,10 @@ class DPEngine(Engine):
                     None)
 
     def set_transfer_faults(self, faults: dict[str, str]) -> None:
-        raise ValueError(f"faults: injected on the sending (prefill) side; this engine is {self.role}")
+        if self.role != "prefill":
+            raise ValueError(f"faults: injected on the sending (prefill) side; this engine is {self.role}")
+        for core in self.cores:
+            core.set_transfer_faults(faults)
 
     def hold_pages(self, num_pages: int) -> int:
         """Take `num_pages` free pages out of the pools (filling dp ranks in order); 0 gives them back."""
@@ -735,16 +813,20 @@ class DPEngine(Engine):
         return [a for core in self.cores for a in core.agents]
 
     def _forget_settled(self) -> None:
-        """Drop the owner of requests a core no longer holds (a remote whose KV never came ends without an
-        output: `pop_failures` reports it)."""
-        for rid, d in list(self._owner.items()):
-            core = self.cores[d]
-            if rid not in core._tracked and rid not in core._remote:
-                del self._owner[rid]
+        """Drop the owner of requests a core no longer holds. A remote whose KV never came ends without an
+        output (`pop_failures` reports it); a prefill's output is finished at its first token while its KV
+        still travels, and its abort must still reach that core until the transfer settled."""
+        with self._load_lock:
+            for rid, d in list(self._owner.items()):
+                core = self.cores[d]
+                if rid not in core._tracked and rid not in core._remote and rid not in core._handoffs:
+                    del self._owner[rid]
 
     def abort_all(self) -> int:
         n = sum(core.abort_all() for core in self.cores)
-        self._owner.clear()
+        with self._load_lock:
+            self._owner.clear()
+            self._placed.clear()
         return n
 
     def has_unfinished(self) -> bool:
@@ -777,10 +859,11 @@ class DPEngine(Engine):
                 error = error or e
         if error is not None:
             raise error
-        for out in outputs:
-            if out.finished:
-                self._owner.pop(out.request_id, None)
-        if self.role != "unified":
+        if self.role == "unified":
+            for out in outputs:
+                if out.finished:
+                    self._set_owner(out.request_id, None)
+        else:
             self._forget_settled()
         if any(b is not None for b in batches):
             self._record_step(t0, t2 - t1, results)

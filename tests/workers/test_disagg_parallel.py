@@ -2,8 +2,9 @@
 
 One driver run (this file as a script, in a child process with its own Ray instance on loopback) builds a
 unified single-shard engine (the reference), an in-process prefill and decode engine (tp=1), a prefill engine
-over a tp=2 worker group and a decode engine over a dp=2 ep=2 worker group (`DPEngine`: one receiving tp group
-per dp rank; the experts split over both dp ranks, so they step in lockstep), all real `ShardWorker` actors with
+over a tp=2 worker group, a decode engine over a dp=2 ep=2 worker group (`DPEngine`: one receiving tp group
+per dp rank; the experts split over both dp ranks, so they step in lockstep) and a prefill engine over a dp=2
+ep=2 worker group (one sending tp group per dp rank, also in lockstep), all real `ShardWorker` actors with
 gloo pairs between the shards. Each shard hosts its own `TransferAgent`; the engine fans its transfer calls out
 through `GroupTransferAgent`.
 
@@ -11,7 +12,12 @@ Cases (8 requests in flight together, prompts of 5 to 150 tokens, most past the 
 sparse layers start selecting blocks; greedy, top-5 logprobs):
   tp2 -> tp1: prefill shard 0 sends KV head 0 and the index-K, shard 1 head 1, into one decode shard;
   tp1 -> dp2: each request lands on the dp rank that admitted it (least loaded with room);
-  tp2 -> dp2: both at once.
+  tp2 -> dp2: both at once;
+  dp2 -> tp1: each request is placed on the least loaded prefill dp rank before the decode side admits it under
+              that rank's sub-group; its KV goes from that rank's shard (the decode shard listens per prefill dp
+              rank);
+  dp2 -> dp2: every (prefill dp rank, decode dp rank) pair exists; a request goes from its placed prefill rank
+              into its admitting decode rank.
 Each must give the unified engine's tokens and top-5 logprobs (1e-4), one transfer record per request with the
 exact bytes, and leave no page and no transfer bookkeeping on any engine core or shard. Also: a refused
 transfer from the tp2 group (both of its shards' headers), and a client abort on a dp rank after the KV landed.
@@ -34,7 +40,9 @@ TOL = 1e-4
 # tiny model, per page: 16 tokens x 4 B x (4 layers x K+V x 2 KV heads x 32 dims + index-K of 3 sparse layers x 32)
 PER_PAGE = 16 * 4 * (4 * 2 * 2 * 32 + 3 * 32)
 CASES = {"tp2->tp1": ("prefill_tp2", "decode_tp1"), "tp1->dp2": ("prefill_tp1", "decode_dp2"),
-         "tp2->dp2": ("prefill_tp2", "decode_dp2")}
+         "tp2->dp2": ("prefill_tp2", "decode_dp2"), "dp2->tp1": ("prefill_dp2", "decode_tp1"),
+         "dp2->dp2": ("prefill_dp2", "decode_dp2")}
+LAYOUT = {"tp1": (1, 1), "tp2": (2, 1), "dp2": (1, 2)}  # engine name suffix -> (tp, dp)
 
 
 # ---- the driver (child process) ------------------------------------------------------------------------------
@@ -52,6 +60,18 @@ def _params():
 
 def _lp(dicts) -> list[dict[str, float]]:
     return [{str(k): v for k, v in d.items()} for d in dicts]
+
+
+def _place(prefill, p_group: str, rid: str) -> tuple[str, int | None]:
+    """(the group the decode side admits the request under, its prefill dp rank): a prefill with attention DP
+    places the request on a dp rank first, and the decode side expects that rank's shards (the router's part)."""
+    from workers.group import DPEngine
+    from workers.transfer import TransferAgent
+
+    if isinstance(prefill, DPEngine):
+        q = prefill.place_request(rid)
+        return TransferAgent.dp_group(p_group, q), q
+    return p_group, None
 
 
 def _handoff_group(decode, d_group: str, rid: str) -> str:
@@ -109,13 +129,14 @@ def _run_case(engines: dict, prefill_name: str, decode_name: str, groups: dict, 
     prefill, decode = engines[prefill_name], engines[decode_name]
     p_group, d_group = groups[(prefill_name, decode_name)]
     ids = [f"{tag}-{i}" for i in range(len(LENGTHS))]
-    assignment = {}
+    assignment, placement = {}, {}
     t0 = time.monotonic()
     for rid, prompt, sp in zip(ids, _prompts(), _params()):
+        admit_group, placement[rid] = _place(prefill, p_group, rid)
         if sp.max_tokens == 1:  # the first token ends it: prefill alone answers, nothing reserved on decode
             prefill.add_request(rid, prompt, sp, handoff_to=d_group)
             continue
-        assert decode.admit_remote(rid, prompt, sp, group=p_group) is not None
+        assert decode.admit_remote(rid, prompt, sp, group=admit_group) is not None
         if hasattr(decode, "dp_rank_of"):
             assignment[rid] = decode.dp_rank_of(rid)
         prefill.add_request(rid, prompt, sp, handoff_to=_handoff_group(decode, d_group, rid))
@@ -129,11 +150,12 @@ def _run_case(engines: dict, prefill_name: str, decode_name: str, groups: dict, 
         outputs[str(i)] = {"tokens": last.token_ids, "text": last.text, "finish_reason": last.finish_reason,
                            "first_token": first.token_ids, "logprobs": _lp(first.logprobs[:1] + last.logprobs[1:])}
     _settle(prefill, decode)
-    stats = prefill.pop_transfer_stats()
+    # per prefill dp rank: which rank's shards sent each request
+    stats = [(q, s) for q, core in enumerate(getattr(prefill, "cores", [prefill])) for s in core.pop_transfer_stats()]
     return {"outputs": outputs, "outcomes": {r: list(v) for r, v in st["outcomes"].items()},
-            "failures": st["failures"], "assignment": assignment, "seconds": seconds,
-            "stats": [{"request_id": s.request_id, "num_bytes": s.num_bytes, "seconds": s.seconds, "ok": s.ok}
-                      for s in stats],
+            "failures": st["failures"], "assignment": assignment, "placement": placement, "seconds": seconds,
+            "stats": [{"request_id": s.request_id, "num_bytes": s.num_bytes, "seconds": s.seconds, "ok": s.ok,
+                       "sent_from": q} for q, s in stats],
             "prefill": _leftovers(prefill), "decode": _leftovers(decode)}
 
 
@@ -195,6 +217,38 @@ def _abort_on_dp_rank(engines: dict, groups: dict) -> dict:
             "aborted": aborted, "prefill": _leftovers(prefill), "decode": _leftovers(decode)}
 
 
+def _prefill_dp_edges(engines: dict, groups: dict) -> dict:
+    """A prefill dp engine refuses a hand-off it did not place (the decode side could not know which rank's
+    shards send it); a placement whose admission failed is let go by an abort; an abort after the KV left
+    reaches the core that sent it. Nothing is held afterwards."""
+    from workers.request import SamplingParams
+
+    prefill, decode = engines["prefill_dp2"], engines["decode_tp1"]
+    p_group, d_group = groups[("prefill_dp2", "decode_tp1")]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = _prompts()[5]
+    out: dict = {}
+    try:
+        prefill.add_request("unplaced", prompt, sp, handoff_to=d_group)
+    except ValueError as e:
+        out["unplaced"] = str(e)
+    q = prefill.place_request("gone")
+    out["placed_then_aborted"] = [q, prefill.dp_rank_of("gone"), prefill.abort_request("gone"),
+                                  prefill.dp_rank_of("gone")]
+    admit_group, q = _place(prefill, p_group, "left")
+    decode.admit_remote("left", prompt, sp, group=admit_group)
+    prefill.add_request("left", prompt, sp, handoff_to=d_group)
+    _drive(prefill, decode, lambda s: "left" in s["first"], on_first=lambda o: False)
+    out["owner_after_first_token"] = [q, prefill.dp_rank_of("left")]
+    out["aborted"] = [prefill.abort_request("left"), decode.abort_request("left")]
+    _settle(prefill, decode)
+    prefill.pop_transfer_stats()
+    prefill.pop_transfer_outcomes()
+    decode.pop_failures()
+    out["prefill"], out["decode"] = _leftovers(prefill), _leftovers(decode)
+    return out
+
+
 def _poll_round_trip_ms(engine, n: int = 30) -> float:
     """What one engine poll of a tp2 group's transfers costs (both shards answer in parallel): median ms."""
     agent = engine.agents[0]
@@ -239,7 +293,8 @@ def drive(ckpt: str) -> dict:
 
     torch.set_num_threads(1)
     t_start = time.monotonic()
-    ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False,
+    # logical CPUs: one per shard of the three worker groups (the box has 2 cores; the groups take turns)
+    ray.init(address="local", num_cpus=6, object_store_memory=256 * 2**20, include_dashboard=False,
              log_to_driver=bool(os.environ.get("M3SERVE_TEST_RAY_LOGS")), configure_logging=False,
              _node_ip_address="127.0.0.1")
     ec = EngineConfig(max_model_len=256, num_pages=64, max_num_batched_tokens=128, max_num_seqs=16)
@@ -270,6 +325,10 @@ def drive(ckpt: str) -> dict:
         # runs empty forwards beside the other's decodes
         engines["decode_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2), role="decode",
                                        transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1, dispatch="rpc"))
+        # the prefill side in lockstep too, through its compiled graph: a dp rank whose prompts are done runs
+        # empty forwards while the other still prefills
+        engines["prefill_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2),
+                                        role="prefill", transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1))
         result["start_s"] = time.monotonic() - t
 
         # pairs, as the router opens them: decode listens (one address per route into its shards), prefill
@@ -278,7 +337,8 @@ def drive(ckpt: str) -> dict:
         groups = {}
         for p_name, d_name in CASES.values():
             p_group, d_group = f"{p_name}#0", f"{d_name}#0"
-            listened = engines[d_name].kv_listen(p_group, 2 if p_name.endswith("tp2") else 1)
+            p_tp, p_dp = LAYOUT[p_name[-3:]]
+            listened = engines[d_name].kv_listen(p_group, p_tp, p_dp)  # per prefill dp rank when p_dp > 1
             engines[p_name].kv_connect(d_group, listened)
             engines[p_name].kv_wait_ready(30, d_group)
             engines[d_name].kv_wait_ready(30, p_group)
@@ -288,6 +348,9 @@ def drive(ckpt: str) -> dict:
 
         for tag, (p_name, d_name) in CASES.items():
             result["cases"][tag] = _run_case(engines, p_name, d_name, groups, tag)
+        result["prefill_dp2_counters"] = engines["prefill_dp2"].group.call("counters")
+        result["prefill_dp2_steps"] = engines["prefill_dp2"].num_steps
+        result["prefill_dp_edges"] = _prefill_dp_edges(engines, groups)
         result["poll_ms"] = _poll_round_trip_ms(engines["prefill_tp2"])
         result["refused"] = _refused_from_tp2(engines, groups)
         result["abort_dp"] = _abort_on_dp_rank(engines, groups)
@@ -350,7 +413,7 @@ def test_every_page_and_transfer_freed_on_both_sides(run, case):
     _assert_no_leftovers(got["prefill"], f"{case} {p_name}")
     _assert_no_leftovers(got["decode"], f"{case} {d_name}")
     # one transfer-id list per shard: 2 for a tp2 group or for dp2's two tp groups, 1 in-process
-    assert len(got["prefill"]["shard_transfer_ids"]) == (2 if p_name.endswith("tp2") else 1)
+    assert len(got["prefill"]["shard_transfer_ids"]) == (2 if p_name.endswith(("tp2", "dp2")) else 1)
     assert len(got["decode"]["shard_transfer_ids"]) == (2 if d_name.endswith("dp2") else 1)
 
 
@@ -374,13 +437,50 @@ def test_routes_follow_plan_routes(run):
             for r in lst["prefill_tp1->decode_dp2"]] == [(0, 0, 0, 2, True), (1, 0, 0, 2, True)]
     assert [(r["dp"], r["src"], r["head_start"]) for r in lst["prefill_tp2->decode_dp2"]] == [
         (0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)]
+    # from a dp2 prefill: the decode shard(s) listen once per prefill dp rank (tagged "src_dp")
+    assert [(r["src_dp"], r["src"], r["head_start"], r["head_end"], r["with_index"])
+            for r in lst["prefill_dp2->decode_tp1"]] == [(0, 0, 0, 2, True), (1, 0, 0, 2, True)]
+    assert [(r["dp"], r["src_dp"]) for r in lst["prefill_dp2->decode_dp2"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-@pytest.mark.parametrize("case", ["tp1->dp2", "tp2->dp2"])
+@pytest.mark.parametrize("case", ["tp1->dp2", "tp2->dp2", "dp2->dp2"])
 def test_requests_land_on_both_dp_ranks(run, case):
     """Least loaded with room: the 7 handed-off requests alternate over the two dp ranks."""
     ranks = list(run["cases"][case]["assignment"].values())
     assert ranks == [0, 1, 0, 1, 0, 1, 0], ranks
+
+
+@pytest.mark.parametrize("case", ["dp2->tp1", "dp2->dp2"])
+def test_prefill_dp_ranks_each_send_what_they_ran(run, case):
+    """Placed on the least loaded prefill dp rank: the 8 requests alternate; each handed-off request's KV went
+    out from the shards of the rank it was placed on."""
+    got = run["cases"][case]
+    placement = got["placement"]
+    assert list(placement.values()) == [0, 1] * 4, placement
+    sent_from = {s["request_id"]: s["sent_from"] for s in got["stats"]}
+    assert sent_from == {rid: q for rid, q in placement.items() if rid in sent_from}
+    assert set(sent_from.values()) == {0, 1}
+    if case == "dp2->dp2":  # the two balancings differ in phase: each prefill rank sent into each decode rank
+        assert {(placement[rid], d) for rid, d in got["assignment"].items()} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def test_prefill_dp_ranks_step_in_lockstep(run):
+    """ep=2 spans both prefill dp ranks: every rank ran every group step, and the rank whose prompts ended
+    first ran empty forwards while the other still prefilled."""
+    counters = run["prefill_dp2_counters"]
+    assert [c["calls"] for c in counters] == [run["prefill_dp2_steps"]] * 2
+    assert sum(c["idle_forwards"] for c in counters) > 0, counters
+
+
+def test_prefill_dp_placement_edges(run):
+    e = run["prefill_dp_edges"]
+    assert "handoff_to: a prefill engine with dp=2 hands off only requests placed first" in e["unplaced"]
+    q = e["placed_then_aborted"][0]
+    assert e["placed_then_aborted"] == [q, q, True, None]
+    assert e["owner_after_first_token"][1] == e["owner_after_first_token"][0]  # kept while its KV travels
+    assert e["aborted"] == [True, True]
+    _assert_no_leftovers(e["prefill"], "edges prefill_dp2")
+    _assert_no_leftovers(e["decode"], "edges decode_tp1")
 
 
 def test_refused_transfer_from_a_tp_group_frees_both_sides(run):

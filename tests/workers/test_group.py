@@ -48,10 +48,11 @@ def test_local_executor_cannot_hold_several_shards(tiny_ckpt):
 
 
 def test_dp_engine_is_what_engine_builds_for_dp(tiny_ckpt):
-    """`Engine(..., parallel=dp>1)` is a DPEngine (so callers need not know); it serves unified requests only
-    and says so before placing anything."""
-    with pytest.raises(NotImplementedError, match="role: 'prefill' with dp=2"):
-        Engine(tiny_ckpt, parallel=ParallelConfig(dp=2, ep=2), role="prefill")
+    """`Engine(..., parallel=dp>1)` is a DPEngine (so callers need not know) for every role; its layout is
+    checked before anything is placed."""
+    for role in ("unified", "prefill", "decode"):
+        with pytest.raises(ValueError, match="executor: 'local'.*dp=2 needs a worker group"):
+            Engine(tiny_ckpt, parallel=ParallelConfig(dp=2, ep=2), role=role, executor="local")
     assert issubclass(DPEngine, Engine)
 
 
