@@ -34,18 +34,25 @@ def runnable(kernel, device: torch.device):
 
 
 _ARRIVAL_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+# Buffers replaced by a larger one. A CUDA graph captured with the old buffer keeps its address and replays
+# into it, so it must never be freed (the allocator would hand the memory to another tensor); they are few and
+# small (a buffer only grows past the largest decode batch seen).
+_RETIRED_COUNTERS: list[torch.Tensor] = []
 
 
 def arrival_counters(owner: str, n: int, device: torch.device,
                      min_size: int = 1024) -> torch.Tensor | None:
     """A zeroed int32 [>= n] buffer of `owner`'s kernels, which count arriving programs in it and leave it zeroed
     again (the last program to arrive does the tail work). None when it would have to be (re)allocated during
-    CUDA-graph capture: the caller then takes its path without counters. One stream at a time per owner."""
+    CUDA-graph capture: the caller then takes its path without counters. One stream at a time per owner.
+    Growing the buffer keeps the old one alive (`_RETIRED_COUNTERS`): graphs captured with it still use it."""
     key = (owner, device)
     buf = _ARRIVAL_COUNTERS.get(key)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
         buf = _ARRIVAL_COUNTERS[key] = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
     return buf
 
