@@ -49,6 +49,11 @@ class EngineConfig:
     admission_watermark: float = 0.01  # fraction of pages kept free when admitting new requests
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
+    # CUDA graphs for pure-decode steps (workers/cuda_graph.py), captured at startup on CUDA with tp = ep = 1.
+    # enforce_eager: never capture (every step eager, like vLLM's flag). cuda_graph_batch_sizes: the padded batch
+    # sizes captured, ascending; None = 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to min(max_num_seqs, 512).
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -65,3 +70,13 @@ class EngineConfig:
             raise ValueError("num_pages: must be >= 1")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError("admission_watermark: must be in [0, 1)")
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None:
+            sizes = tuple(sizes)  # a list from Python callers: stored as the tuple the field declares
+            object.__setattr__(self, "cuda_graph_batch_sizes", sizes)
+            if not sizes or any(b < 1 for b in sizes) or any(a >= b for a, b in zip(sizes, sizes[1:])):
+                raise ValueError(f"cuda_graph_batch_sizes: must be a non-empty ascending list of sizes >= 1, "
+                                 f"got {list(sizes)}")
+            if sizes[-1] > self.max_num_seqs:
+                raise ValueError(f"cuda_graph_batch_sizes: {sizes[-1]} exceeds max_num_seqs ({self.max_num_seqs}); "
+                                 f"a decode step never holds more rows")

@@ -5,9 +5,14 @@ group (`ctx` with tp/ep/dp > 1) every tp rank of a dp rank runs the same batch; 
 logits are gathered over tp on every rank, so the others would only repeat it) and its result is the one the
 engine reads. A dp rank without work still runs an empty forward when its MoE collectives span other dp ranks
 (`ctx.dp_ranks_in_lockstep`), so no peer waits forever.
+
+Pure-decode steps replay a CUDA graph of their padded batch size where the shard can capture them
+(workers/cuda_graph.py: CUDA, tp = ep = 1, `enforce_eager` off); the graphs are captured here at startup, after
+the KV pool is allocated, and the capture time is logged. Every other step runs eagerly.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +26,10 @@ from msa.model import load_model
 from msa.parallel import ParallelContext
 from workers.batch import StepBatch, logits_row_of_chunk
 from workers.config import EngineConfig
+from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step
 from workers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator
+
+logger = logging.getLogger("m3serve.runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,13 +94,32 @@ class ModelRunner:
         # Unseeded rows draw from this engine-seeded generator; seeded rows get their own (see sampler).
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self._generators: dict[int, torch.Generator] = {}
+        self.num_graph_steps = 0  # steps run by replaying a decode graph (tests and benchmarks read it)
+        self.graphs: DecodeGraphs | None = self._capture_graphs(engine_config)
+
+    def _capture_graphs(self, engine_config: EngineConfig) -> DecodeGraphs | None:
+        """Decode graphs for every bucket, captured now (workers/cuda_graph.py says why at startup), or None
+        where this shard cannot hold a forward in a graph."""
+        skip = graph_skip_reason(engine_config, self.device, tp_size=self.ctx.tp_size, ep_size=self.ctx.ep_size)
+        if skip is not None:
+            logger.info("rank %d: decode steps run eagerly: %s", self.ctx.world_rank, skip)
+            return None
+        graphs = DecodeGraphs(self.model, self.kv, sizes=capture_sizes(engine_config),
+                              max_model_len=engine_config.max_model_len, device=self.device)
+        seconds = graphs.capture()
+        logger.info("rank %d: captured %d decode CUDA graphs (batch sizes %s, %d table pages) in %.2f s, %.1f MiB",
+                    self.ctx.world_rank, len(graphs.sizes), list(graphs.sizes), graphs.max_pages, seconds,
+                    graphs.pool_bytes / 2**20)
+        return graphs
 
     def info(self) -> dict:
         ctx = self.ctx
         return {"num_pages": self.num_pages, "page_size": self.page_size, "dtype": str(self.dtype),
                 "device": str(self.device),
                 "kv_bytes": self.num_pages * KVCache.bytes_per_page(self.config, self.dtype, ctx),
-                "rank": ctx.world_rank, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "ep_rank": ctx.ep_rank}
+                "rank": ctx.world_rank, "tp_rank": ctx.tp_rank, "dp_rank": ctx.dp_rank, "ep_rank": ctx.ep_rank,
+                "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
+                "cuda_graph_capture_s": self.graphs.capture_seconds if self.graphs is not None else None}
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
@@ -101,20 +128,12 @@ class ModelRunner:
         if not batch.chunks:
             return self._idle_step()
         t0 = time.perf_counter()
-        meta = batch.to_metadata(self.page_size, self.device)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, meta, self.kv)
-        first, last = logits_row_of_chunk(batch.chunks)
-        # Only the sampling chunks (and prompt-logprob chunks) need the LM head, not every chunk's last token.
-        want = [last[i] for i in batch.sample_chunks]
-        plp_rows = []
-        for pc in batch.prompt_logprob_chunks:
-            plp_rows.append(len(want))
-            want.extend(range(first[pc.chunk_index], first[pc.chunk_index] + len(pc.target_ids)))
-        logits = None
-        if want:
-            rows = meta.logits_indices[torch.tensor(want, dtype=torch.int64).to(self.device)]
-            logits = self.model.compute_logits(hidden[rows])
+        if self.graphs is not None and is_graph_step(batch, self.graphs.max_batch):
+            # one row per decode chunk, every row sampled in chunk order: the graph's logits rows are the rows
+            logits, plp_rows = self.graphs.run(batch.chunks, batch.input_ids), []
+            self.num_graph_steps += 1
+        else:
+            logits, plp_rows = self._eager_logits(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
@@ -131,6 +150,25 @@ class ModelRunner:
                       for r, pc in zip(plp_rows, batch.prompt_logprob_chunks)]
         return StepResult(token_ids=token_ids, logprobs=logprobs, forward_time=t1 - t0,
                           sample_time=time.perf_counter() - t1, prompt_logprobs=prompt_lps)
+
+    def _eager_logits(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[int]]:
+        """The step's forward run eagerly -> (logits [sampled rows + prompt-logprob targets, vocab] fp32 or None,
+        the first logits row of each prompt-logprob chunk)."""
+        meta = batch.to_metadata(self.page_size, self.device)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, meta, self.kv)
+        first, last = logits_row_of_chunk(batch.chunks)
+        # Only the sampling chunks (and prompt-logprob chunks) need the LM head, not every chunk's last token.
+        want = [last[i] for i in batch.sample_chunks]
+        plp_rows = []
+        for pc in batch.prompt_logprob_chunks:
+            plp_rows.append(len(want))
+            want.extend(range(first[pc.chunk_index], first[pc.chunk_index] + len(pc.target_ids)))
+        logits = None
+        if want:
+            rows = meta.logits_indices[torch.tensor(want, dtype=torch.int64).to(self.device)]
+            logits = self.model.compute_logits(hidden[rows])
+        return logits, plp_rows
 
     def _idle_step(self) -> StepResult:
         """No work for this dp rank this step: run an empty forward only if peers in other dp ranks need this
