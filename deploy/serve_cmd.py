@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     add("--max-num-seqs", type=int, help="requests batched together per engine")
     add("--max-waiting", type=int, help="waiting-queue bound per engine; beyond it the server answers 429")
+    add("--enforce-eager", action="store_true", default=None,
+        help="run every step eagerly: no CUDA graphs for decode steps (default: captured at startup on CUDA)")
     add("--api-key", help="require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
     add("--address", help="join this Ray cluster instead of starting a local one (e.g. auto, 10.0.0.1:6379)")
     add("--num-cpus", type=float, help="CPUs of the local Ray instance (default: all)")
@@ -78,6 +80,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     put("engine.max_model_len", args.max_model_len)
     put("engine.max_num_seqs", args.max_num_seqs)
     put("engine.max_waiting", args.max_waiting)
+    put("engine.enforce_eager", args.enforce_eager)
     put("disaggregate", getattr(args, "disaggregate", None))
     for role in ("prefill", "decode"):
         put(f"{role}.replicas", getattr(args, f"{role}_replicas", None))
