@@ -1,0 +1,28 @@
+"""CPU smoke run of benchmarks/bench_engine_decode.py: the tiny model in one in-process engine, eager only (CPU has
+no graphs), the JSON it writes and the table it prints last. The graph rows are exercised on the GPU run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_engine_decode.py"
+
+
+def test_tiny_cpu_run_writes_json_and_prints_the_table_last(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--batches", "1,2",
+                           "--decode-tokens", "4", "--out", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    doc = json.loads((tmp_path / "bench_engine_decode.json").read_text())
+    assert doc["graph_sizes"] == [] and doc["capture_s"] is None  # CPU: every step eager
+    assert [r["B"] for r in doc["rows"]] == [1, 2]
+    for r in doc["rows"]:
+        eager = r["eager"]
+        assert "graphs" not in r and eager["graph_steps"] == 0
+        assert eager["decode_steps"] == 3 and eager["step_ms"] >= eager["forward_ms"] > 0  # 4 tokens: 3 decode steps
+    table = proc.stdout.strip().splitlines()
+    assert table[-4].startswith("engine decode, tiny") and table[-3].startswith("B | eager step ms")
+    assert [line.split("|")[0].strip() for line in table[-2:]] == ["1", "2"]
