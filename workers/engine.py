@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -173,6 +173,8 @@ class Engine:
         self._finished_stats: list[RequestStats] = []
         self._step_stats: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
+        # Handoff marks of disaggregated requests for `AsyncEngine.debug_timeline` (bounded; step thread only)
+        self.marks: deque[tuple] = deque(maxlen=_MAX_MARKS)
         # disaggregation
         self.transfer_config = transfer or TransferConfig()
         self.agents: list[TransferAgent] = []
@@ -322,6 +324,7 @@ class Engine:
             self.pages.free(seq.seq_id)
             return
         page_ids = self.pages.page_table(seq.seq_id)[:self.pages.pages_for(seq.num_prompt_tokens)]
+        self._mark("send", req.request_id)
         try:
             for agent in self.agents:
                 agent.send(handoff.transfer_id, page_ids, handoff.group)
@@ -359,6 +362,7 @@ class Engine:
             self.scheduler.abort(request_id)
             raise
         self._remote[request_id] = _Remote(transfer_id=tid, created=time.monotonic())
+        self._mark("admitted", request_id)
         self._track(req, prompt)
         return page_ids
 
@@ -370,6 +374,7 @@ class Engine:
         if remote is None or remote.aborted:
             raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
         remote.first = (int(first_token), first_logprobs)
+        self._mark("first_known", request_id)
 
     def _abort_remote(self, request_id: str) -> bool:
         remote = self._remote[request_id]
@@ -436,6 +441,7 @@ class Engine:
                 self.pages.free(h.seq_id)
                 ok = res.state is TransferState.DONE
                 self._outcomes.append((rid, ok, None if ok else res.reason or "failed"))
+                self._mark("settled", rid, res.marks)
             elif now - h.created > lease:  # nobody collected it: stop, free once the wire lets go
                 for agent in self.agents:
                     agent.abort(h.transfer_id)
@@ -451,6 +457,7 @@ class Engine:
                 continue
             if res.state is TransferState.DONE and not r.landed:
                 r.landed = True
+                self._mark("landed", rid, res.marks)
             if r.landed and r.first is not None:
                 outputs.extend(self._activate(rid, r))
             elif now - r.created > lease:
@@ -464,6 +471,7 @@ class Engine:
 
     def _activate(self, rid: str, r: _Remote) -> list[RequestOutput]:
         del self._remote[rid]
+        self._mark("activated", rid)
         for agent in self.agents:
             agent.release(r.transfer_id)
         token, logprobs = r.first
@@ -639,6 +647,16 @@ class Engine:
         self._step_stats.clear()
         return out
 
+    def _mark(self, kind: str, request_id: str, phases: Mapping[str, float] | None = None) -> None:
+        """Record a handoff event: (time.time(), kind, request id, the transfer's phase marks or None). Wall
+        clock, so the prefill and decode replicas' marks and the benchmark client's times share one axis; the
+        transfer's marks (time.monotonic()) are moved onto it here."""
+        now = time.time()
+        if phases:
+            shift = now - time.monotonic()
+            phases = {k: v + shift for k, v in phases.items()}
+        self.marks.append((now, kind, request_id, phases or None))
+
     def shutdown(self) -> None:
         for agent in self.agents:
             with _suppress():
@@ -647,6 +665,7 @@ class Engine:
 
 
 _HOLD_SEQ_ID = -1  # the page manager owner of `Engine.hold_pages`
+_MAX_MARKS = 50_000  # about 6 marks per disaggregated request
 
 
 def _suppress():

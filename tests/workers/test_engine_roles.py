@@ -231,3 +231,23 @@ def test_roles_refuse_what_they_cannot_do(pair, tiny_ckpt):
     with pytest.raises(KeyError):
         decode.continue_remote("never-admitted", 5)
     assert_empty(prefill, decode)
+
+
+def test_handoff_marks_on_both_sides(pair):
+    """The marks bench_serving_pd's first -> second token split reads (EngineServer.debug_timeline): prefill
+    send + settled (with the sender's transfer phases), decode admitted, first token known, KV landed (with the
+    receiver's `landed`) and activated; wall clock, in causal order."""
+    prefill, decode = pair
+    since = time.time()
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    submit(prefill, decode, "mk", prompts()[3], sp)
+    drive(prefill, decode, lambda s: "mk" in s["out"] and "mk" in s["outcomes"])
+    pm = {kind: (t, ph) for t, kind, rid, ph in prefill.marks if rid == "mk" and t >= since}
+    dm = {kind: (t, ph) for t, kind, rid, ph in decode.marks if rid == "mk" and t >= since}
+    assert set(pm) == {"send", "settled"} and set(dm) == {"admitted", "first_known", "landed", "activated"}
+    assert {"called", "acked"} <= set(pm["settled"][1]) and "landed" in dm["landed"][1]
+    # order within one clock only: the phases were taken on time.monotonic() and shifted onto the wall clock
+    assert pm["send"][0] <= pm["settled"][0] and pm["settled"][1]["called"] <= pm["settled"][1]["acked"]
+    assert dm["admitted"][0] <= pm["send"][0] <= dm["landed"][0] <= dm["activated"][0]
+    assert dm["first_known"][0] <= dm["activated"][0]
+    assert_empty(prefill, decode)
