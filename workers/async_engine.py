@@ -11,12 +11,18 @@ Disaggregation: a prefill engine's `generate(..., handoff_to=group)` streams the
 `admit_remote` reserves pages (run on the step thread), and `generate_remote` streams the rest once the KV
 landed, or raises `KVTransferFailed`. While transfers are pending the step thread wakes on every settled
 transfer (a listener on the transfer agents) and at least every `TRANSFER_POLL_S`, for leases and timeouts.
+
+`debug_timeline(since)` answers where the time went: the step thread keeps the latest `TIMELINE_STEPS` steps
+(wall-clock start/end, forward vs host time, the loop's time between steps, tokens per request) in a ring it alone
+appends to, and the engine keeps its KV handoff marks; `EngineServer.debug_timeline` serves both to benchmarks.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +34,14 @@ from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
 
 TRANSFER_POLL_S = 0.02
 _KEEP_FAILURES = 1024
+TIMELINE_STEPS = 20_000  # steps kept for `debug_timeline` (minutes of decode at ~10 ms a step)
+# One `debug_timeline` step record. start/end: time.time() around `Engine.step` (wall clock, to line up with other
+# processes on the host); forward_s/host_s: the step's StepStats split; then what the loop did since the previous
+# recorded step ended: publish_s handing outputs to the streams, idle_s blocked waiting for work, inbox_s applying
+# adds/aborts/calls; tokens: (request id, output tokens so far) of every request that progressed. A step is
+# recorded before its outputs reach the streams, so a caller that saw its last token sees the step too.
+STEP_FIELDS = ("start", "end", "prefill_tokens", "decode_tokens", "batch_size", "forward_s", "host_s", "idle_s",
+               "inbox_s", "publish_s", "tokens")
 
 
 class QueueFullError(RuntimeError):
@@ -71,6 +85,7 @@ class AsyncEngine:
         self._disaggregated = getattr(self.engine, "role", "unified") != "unified"
         if self._disaggregated:
             self.engine.add_transfer_listener(self._wake.set)
+        self._timeline: deque[tuple] = deque(maxlen=TIMELINE_STEPS)  # appended by the step thread only
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -206,6 +221,15 @@ class AsyncEngine:
             self._step_stats.clear()
         return out
 
+    def debug_timeline(self, since: float = 0.0) -> dict:
+        """Steps (`STEP_FIELDS` tuples) and the engine's handoff marks ((time, kind, request id, transfer phase
+        marks)) that ended at or after `since` (time.time()); for benchmarks explaining where latency goes."""
+        steps = [s for s in _snapshot(self._timeline) if s[1] >= since]
+        marks = [m for d in _mark_sources(self.engine) for m in _snapshot(d) if m[0] >= since]
+        marks.sort(key=lambda m: m[0])
+        return {"pid": os.getpid(), "now": time.time(), "role": getattr(self.engine, "role", "unified"),
+                "step_fields": STEP_FIELDS, "steps": steps, "marks": marks}
+
     @property
     def num_in_flight(self) -> int:
         with self._lock:
@@ -221,10 +245,12 @@ class AsyncEngine:
 
     # ---- the step thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        idle_s = inbox_s = publish_s = 0.0  # loop time since the last recorded step (the timeline's gaps)
         try:
             while True:
                 with self._lock:
                     idle = not self._inbox and not self._stopping
+                t = time.perf_counter()
                 if self._disaggregated:
                     if idle and not self.engine.scheduler.has_unfinished():
                         # transfers settle on other threads (their listener sets _wake); leases need a clock
@@ -232,11 +258,19 @@ class AsyncEngine:
                 elif idle and not self.engine.has_unfinished():
                     self._wake.wait()
                 self._wake.clear()
+                t1 = time.perf_counter()
+                idle_s += t1 - t
                 if self._apply_inbox():
                     return
+                inbox_s += time.perf_counter() - t1
                 if self.engine.has_unfinished():
+                    start = time.time()
                     outputs = self.engine.step()
-                    self._publish(outputs)
+                    end = time.time()
+                    # a step that only polled transfers ran no batch and is not recorded: its time stays in the gap
+                    if self._publish(outputs, (start, end, idle_s, inbox_s, publish_s)):
+                        idle_s = inbox_s = publish_s = 0.0
+                    publish_s += time.time() - end
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine is gone
             self._error = e
             with self._lock:
@@ -304,10 +338,26 @@ class AsyncEngine:
         if fut is not None and not fut.done():
             fut.set_result((ok, reason))
 
-    def _publish(self, outputs: list[RequestOutput]) -> None:
+    def _record(self, steps: list[StepStats], window: tuple[float, float, float, float, float],
+                outputs: list[RequestOutput]) -> None:
+        """Append one timeline record per StepStats of the step that ran in `window` = (start, end, idle_s,
+        inbox_s, publish_s)."""
+        start, end, idle_s, inbox_s, publish_s = window
+        tokens = tuple((o.request_id, len(o.outputs[0].token_ids)) for o in outputs if o.outputs)
+        for s in steps:
+            s.start_time = start
+            forward = s.step_time - s.host_overhead
+            self._timeline.append((start, end, s.num_prefill_tokens, s.num_decode_tokens, s.batch_size, forward,
+                                   s.host_overhead, idle_s, inbox_s, publish_s, tokens))
+
+    def _publish(self, outputs: list[RequestOutput], window: tuple | None = None) -> bool:
+        """Hand outputs, failures and stats to the asyncio side. With `window` (the step that made `outputs`, see
+        `_record`): record it first. True when a step was recorded."""
         stats = self.engine.stats()
         req_stats = self.engine.pop_request_stats()
         step_stats = self.engine.pop_step_stats()
+        if window is not None and step_stats:
+            self._record(step_stats, window, outputs)
         transfer_stats, failures = [], []
         if self._disaggregated:
             transfer_stats = self.engine.pop_transfer_stats()
@@ -337,3 +387,20 @@ class AsyncEngine:
                 stream.put(out)
         for stream, why in failed_streams:
             stream.put(KVTransferFailed(why))
+        return window is not None and bool(step_stats)
+
+
+def _mark_sources(engine: Engine) -> list[deque]:
+    """The mark buffers of an engine: its own, or with attention DP each dp rank's core's."""
+    return [d for e in (engine, *getattr(engine, "cores", ())) if (d := getattr(e, "marks", None)) is not None]
+
+
+def _snapshot(ring: deque) -> list:
+    """A copy of a ring the step thread appends to, without a lock on its path: copying runs in C under the GIL,
+    so it only fails (RuntimeError) if the copy itself was interrupted by an append; try again then."""
+    for _ in range(10):
+        try:
+            return list(ring)
+        except RuntimeError:
+            continue
+    return []

@@ -73,6 +73,9 @@ class StepStats:
     num_decode_tokens: int = 0
     batch_size: int = 0  # requests in the step
     num_preemptions: int = 0
+    # time.time() when the step began, set by the loop that drives the engine (AsyncEngine); wall clock rather than
+    # monotonic so steps line up with other processes' timelines and the benchmark client's (debug_timeline)
+    start_time: float | None = None
 
 
 @dataclass(kw_only=True)

@@ -138,3 +138,29 @@ def test_bad_request_and_full_queue_fail_before_the_first_output(make_async):
         assert out.finished and len(out.outputs[0].token_ids) == 3
 
     asyncio.run(main())
+
+
+def test_debug_timeline_records_steps_with_wall_times_and_token_counts(make_async):
+    ae = make_async(num_pages=64)
+    since = time.time()
+
+    async def consume(rid, p):
+        return [out async for out in ae.generate(rid, p, greedy(4))]
+
+    async def main():
+        await asyncio.gather(consume("a", ids(20, 1)), consume("b", ids(7, 2)))
+
+    asyncio.run(main())
+    tl = ae.debug_timeline(since)
+    steps = [dict(zip(tl["step_fields"], s)) for s in tl["steps"]]
+    assert steps and all(since <= s["start"] <= s["end"] <= tl["now"] for s in steps)
+    assert all(a["end"] <= b["start"] for a, b in zip(steps, steps[1:]))  # one step thread: never overlapping
+    assert sum(s["prefill_tokens"] for s in steps) == 27
+    # each request's output count after each step that moved it: 1, 2, 3, 4 in step order
+    for rid in ("a", "b"):
+        assert [n for s in steps for r, n in s["tokens"] if r == rid] == [1, 2, 3, 4]
+    assert all(s["forward_s"] >= 0 and s["host_s"] >= 0 and s["publish_s"] >= 0 for s in steps)
+    assert tl["marks"] == []  # unified: no handoffs
+    assert ae.debug_timeline(tl["now"] + 1.0)["steps"] == []
+    # the metrics feed's StepStats carry the same wall-clock starts
+    assert sorted(s.start_time for s in ae.pop_step_stats())[-len(steps):] == [s["start"] for s in steps]
