@@ -18,6 +18,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -34,6 +35,7 @@ logger = logging.getLogger("m3serve.server")
 
 RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_KV_S = 1.0
+SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +170,10 @@ class EngineServer:
         # KV transfers the metrics reporter recorded (prefill side: one per transfer)
         self._transfer_totals = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
         self._dp_admissions: dict[int, int] = {}  # decode with attention DP: admitted requests per dp rank
+        # When each event left this replica for the router (time.time(): the client's and the engines' clock):
+        # kind "chunk" (with its token count), "outcome" (prefill's transfer result), "decode" (the router's
+        # decode call arrived). Serve hop = client arrival - chunk; see debug_timeline.
+        self._serve_marks: deque[tuple] = deque(maxlen=SERVE_MARKS)
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -271,6 +277,7 @@ class EngineServer:
                 chunk = tracker.chunk(out)
                 if chunk is not None:
                     finished = chunk.finished
+                    self._mark_chunk(request_id, chunk)
                     yield chunk
         except Exception as e:  # noqa: BLE001 - mapped to an answer below, or re-raised
             if isinstance(e, EngineDeadError):  # this replica serves nothing more until Serve restarts it
@@ -313,11 +320,13 @@ class EngineServer:
                 chunk = tracker.chunk(out)
                 if chunk is not None:
                     chunk.finished = chunk.finished and not handed_off  # the decode replica goes on
+                    self._mark_chunk(req.request_id, chunk)
                     yield chunk
             if handed_off:
                 t = self._config.transfer
                 ok, reason = await self._engine.transfer_outcome(req.request_id, t.lease_s + t.timeout_s)
                 settled = True
+                self._serve_marks.append((time.time(), req.request_id, "outcome", 0))
                 yield TransferOutcome(ok=ok, reason=reason)
         except QueueFullError as e:
             refused = True
@@ -401,6 +410,7 @@ class EngineServer:
                 return EngineError(status=500, message=f"decode: {e}", code="internal_error")
             return None
 
+        self._serve_marks.append((time.time(), req.request_id, "decode", 0))
         outputs = self._engine.generate_remote(req.request_id, first.token_id, first.logprobs)
         stream = self._stream(req.request_id, outputs, _DeltaTracker(first), error_for)
         try:
@@ -432,6 +442,19 @@ class EngineServer:
         if self._reporter is not None:
             self._reporter.tick()
         return dict(self._transfer_totals)
+
+    async def debug_timeline(self, since: float = 0.0) -> dict:
+        """Where this replica's time went since `since` (time.time()): the engine's steps and handoff marks
+        (`AsyncEngine.debug_timeline`) plus this server's `serve_marks` (time, request id, kind, tokens), for
+        benchmarks (bench_serving_pd.py). Bounded rings: the latest ~20k steps and ~100k events."""
+        out = {"role": self._role, "replica": self._index, "steps": [], "marks": [], "now": time.time()}
+        if self._engine is not None:
+            out.update(self._engine.debug_timeline(since))
+        out["serve_marks"] = [m for m in list(self._serve_marks) if m[0] >= since]
+        return out
+
+    def _mark_chunk(self, request_id: str, chunk: EngineChunk) -> None:
+        self._serve_marks.append((time.time(), request_id, "chunk", sum(len(s.token_ids) for s in chunk.samples)))
 
     def _require_engine(self):
         if self._engine is None:
