@@ -8,12 +8,15 @@ shuffled page ids on both sides. The main process is the decode side (receiver, 
 the prefill side (sender, first device).
 
 What is timed, on the sender, median of --reps after --warmup:
-  ours:     KVSender.send(...) until the receiver's status says the pages landed (header through the store,
-            one gather launch per chunk into staging, NCCL send/recv, one scatter launch per chunk into the
-            receiver's pages, status back over NCCL).
+  ours:     KVSender.send(...) until the receiver's status says the pages landed (header down the pair's
+            socket, one gather launch per chunk into staging, NCCL send/recv, one scatter launch per chunk into
+            the receiver's pages, status back over NCCL): the round trip.
+  one-way:  KVSender.send(...) called -> the receiver saw its pages written (what a decode engine waits for),
+            next to the ceiling's one-way time (send posted -> the receiver saw the bytes on its device). The
+            two processes' time.monotonic() is one clock (one host). The headline fraction is this one.
   split:    where ours goes, from the transfer's phase marks (time.monotonic is system-wide, so the two
             processes' marks compare): post = send() returning on the caller's thread (header put, gathers,
-            sends and the status receive posted); header = send() -> the receiver holds the header (store
+            sends and the status receive posted); header = send() -> the receiver holds the header (socket
             hop); payload = receiver: header -> pages written (receives, wire, scatters, stream settled);
             ack = pages written -> the sender read the status; wake = status read -> sender.wait() returned.
   ceiling:  one torch.distributed send of the whole payload as ONE message, then a 1-element ack back

@@ -6,14 +6,14 @@ it). Pages are matched by position: page `page_ids[i]` on the sender lands in `p
 
 How it travels, per request and pair (posted in one order on both sides, so messages of different requests
 never interleave):
-  1. sender: header (JSON: request id, page count, layers, head range, dims, dtype, chunk cap) -> store key h<seq>
-     (the one store message of a transfer; the receiving pair thread is already blocked on that key)
+  1. sender: header (JSON: request id, page count, layers, head range, dims, dtype, chunk cap) -> the pair's
+     header stream (workers/transport.py; the receiving pair thread is already blocked reading it)
   2. sender: gathers the pages of all layers and both families into a few contiguous staging buffers, each at
      most `max_chunk_bytes` (one large message moves ~15x faster than 1 MiB ones on NCCL, PERF.md), with ONE copy
      launch per chunk (kernels.page_copy), sends them point-to-point right behind the header and posts the
      receive of the status; all of it from the caller's thread when the pair is idle (no thread hand-off before
-     the bytes move). Receiver: reads the header, checks it against what it prepared, receives the chunks and
-     scatters each into its own page ids (one launch per chunk, queued behind the receive on the copy stream).
+     the bytes move). Receiver: reads the header, posts the first receives (their sizes follow from the header),
+     then checks the header against what it prepared, and scatters each chunk into its own page ids (one launch per chunk, queued behind the receive on the copy stream).
   3. receiver: status (ok / reason, a 512-byte tensor) -> sender over the backend; the sender's pair thread sees
      it and the sender's op is DONE.
 A header that does not match (unknown or aborted request, wrong page count, head range, dims or dtype) is not
@@ -27,8 +27,8 @@ Pages may be freed (both sides) once a request is *settled*: every pair operatio
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
+import functools
 import json
 import queue
 import threading
@@ -161,9 +161,6 @@ class KVHeader:
     max_chunk_bytes: int
     checksum: bool
     version: int = _HEADER_VERSION
-    # set when the sender failed before any payload went out (e.g. the first gather): no payload and no status
-    # follow, the receiver fails the request with this text and the pair stays in step
-    error: str = ""
 
     def encode(self) -> bytes:
         return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()},
@@ -228,6 +225,16 @@ def plan_chunks(page_bytes: Sequence[int], num_pages: int, max_chunk_bytes: int)
 def chunk_nbytes(chunk: list[Segment], page_bytes: Sequence[int]) -> int:
     last = chunk[-1]
     return last.offset + (last.page_hi - last.page_lo) * page_bytes[last.piece]
+
+
+@functools.lru_cache(maxsize=256)
+def _chunk_sizes(page_bytes: tuple[int, ...], num_pages: int, max_chunk_bytes: int) -> tuple[int, ...]:
+    return tuple(chunk_nbytes(c, page_bytes) for c in plan_chunks(page_bytes, num_pages, max_chunk_bytes))
+
+
+def header_chunk_sizes(header: KVHeader) -> tuple[int, ...]:
+    """Bytes of each message of a payload, from its header alone (what the receiver posts before checking it)."""
+    return _chunk_sizes(tuple(p[2] for p in header.pieces()), header.num_pages, header.max_chunk_bytes)
 
 
 def _words_sum(buf: torch.Tensor) -> torch.Tensor:
@@ -468,9 +475,15 @@ class _Endpoint:
     def _register(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, peers: Sequence[str] | None,
                   ) -> dict[str, _Op]:
         names = self._resolve_peers(peers)
-        ids = torch.as_tensor(page_ids, dtype=torch.int64).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.kv.num_pages):
-            raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
+        if not isinstance(page_ids, torch.Tensor):  # a list: check it in Python (no tensor reductions)
+            page_ids = list(page_ids)
+            if page_ids and (min(page_ids) < 0 or max(page_ids) >= self.kv.num_pages):
+                raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
+            ids = torch.tensor(page_ids, dtype=torch.int64)
+        else:
+            ids = page_ids.to(torch.int64).reshape(-1)
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.kv.num_pages):
+                raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
         ids = ids.to(self.device)
         now = time.monotonic()
         with self._cond:
@@ -651,14 +664,12 @@ class _Flight:
     sums: torch.Tensor | None = None  # [chunks] int64 on the device, when checksums travel
     sums_posted: bool = False
     ack: tuple | None = None  # (work, status buffer): the receiver's answer, posted after the payload
-    staged: torch.Tensor | None = None  # chunk 0, gathered before the header was put
 
 
 class _Slot:
-    """A place in the pair's queue for a transfer the caller's thread is posting right now (keeps FIFO order)."""
+    """A transfer the caller's thread posted (None: it ended while posting), for the pair's thread to complete."""
 
     def __init__(self) -> None:
-        self.posted = threading.Event()
         self.flight: _Flight | None = None
 
 
@@ -681,14 +692,17 @@ class _SendWorker(_PairWorker):
         op.marks["called"] = time.monotonic()
         with self._lock:
             self._active += 1
-            inline = self._active == 1 and self.ready.is_set() and self.broken is None
-            slot = _Slot() if inline else None
-            self.queue.put(slot if inline else op)
-        if inline:
+            if not (self._active == 1 and self.ready.is_set() and self.broken is None):
+                self.queue.put(op)
+                return
+            # posted under the lock and queued after it: the pair's thread wakes once the bytes are on their way,
+            # not in the middle of the posting (where it would take the GIL from us), and a concurrent submit
+            # queues behind this transfer
+            slot = _Slot()
             try:
                 slot.flight = self._post(op)
             finally:
-                slot.posted.set()
+                self.queue.put(slot)
 
     def _loop(self) -> None:
         while True:
@@ -696,11 +710,10 @@ class _SendWorker(_PairWorker):
             if item is None:
                 if not self.broken:
                     with contextlib.suppress(TransferError):
-                        self.channel.put(f"h{self.seq}", _CLOSE)
+                        self.channel.post_header(_CLOSE)
                 return
             try:
                 if isinstance(item, _Slot):
-                    item.posted.wait()
                     flight = item.flight
                 else:
                     flight = self._post(item)
@@ -739,26 +752,19 @@ class _SendWorker(_PairWorker):
         except Exception as exc:
             self._fail(op, exc)
             return None
-        flight = _Flight(op=op, layout=layout, deadline=op.started + cfg.timeout_s, checksum=header.checksum)
-        try:  # the first chunk's gather runs on the device while the header travels
-            with self._on_stream():
-                if op.ready_event is not None:  # the pages were written on the caller's stream
-                    self._stream.wait_event(op.ready_event)
-                if layout.sizes:
-                    flight.staged = self._gather(flight, 0)
-        except Exception as exc:
-            self._abandon(op, header, exc)
-            return None
         try:
-            self.channel.put(f"h{self.seq}", header.encode(), tag=op.request_id)
-        except TransferError as exc:  # nothing was posted: the store (listener) is gone
+            self.channel.post_header(header.encode(), tag=op.request_id)
+        except TransferError as exc:  # nothing was posted: the peer is gone
             self._fail(op, exc)
             return None
         self.seq += 1
         op.num_bytes = header.total_bytes()
         op.marks["header"] = time.monotonic()
+        flight = _Flight(op=op, layout=layout, deadline=op.started + cfg.timeout_s, checksum=header.checksum)
         try:
             with self._on_stream():
+                if op.ready_event is not None:  # the pages were written on the caller's stream
+                    self._stream.wait_event(op.ready_event)
                 if flight.checksum:
                     flight.sums = torch.empty(len(layout.sizes), dtype=torch.int64, device=self.end.device)
                 self._post_chunks(flight, block=False)
@@ -768,25 +774,8 @@ class _SendWorker(_PairWorker):
         op.marks["posted"] = time.monotonic()
         return flight
 
-    def _abandon(self, op: _Op, header: KVHeader, exc: BaseException) -> None:
-        """A failure before anything went out: tell the receiver with an error header (so its op fails now
-        instead of at its receive timeout) and fail the op; the pair stays in step."""
-        why = str(exc) if isinstance(exc, TransferError) else f"internal: {type(exc).__name__}: {exc}"
-        try:
-            self.channel.put(f"h{self.seq}", dataclasses.replace(header, error=why[:1000]).encode(),
-                             tag=op.request_id)
-        except TransferError as put_exc:
-            self._fail(op, put_exc)
-            return
-        self.seq += 1
-        self.end._finish(op, TransferState.FAILED, why)
-
     def _gather(self, flight: _Flight, i: int) -> torch.Tensor:
-        """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA (chunk 0
-        was gathered before the header went out)."""
-        if i == 0 and flight.staged is not None:
-            buf, flight.staged = flight.staged, None
-            return buf
+        """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA."""
         buf = torch.empty(flight.layout.sizes[i], dtype=torch.uint8, device=self.end.device)
         flight.layout.plans[i].gather(flight.op.page_ids, buf)
         return buf
@@ -873,17 +862,17 @@ class _RecvWorker(_PairWorker):
 
     def stop(self) -> None:
         super().stop()
-        self.channel.wake(f"h{self.seq}", _CLOSE)
+        self.channel.wake()
 
     def _loop(self) -> None:
         cfg = self.end.config
         while not self._stopping:
             try:
-                raw = self.channel.get(f"h{self.seq}", cfg.idle_wait_s)
+                raw = self.channel.next_header(cfg.idle_wait_s)
             except TransferTimeout:
                 continue
             except TransferError as exc:
-                self._break(str(exc))
+                self._break("closed" if self._stopping else str(exc))
                 return
             arrived = time.monotonic()
             if raw == _CLOSE:
@@ -894,8 +883,8 @@ class _RecvWorker(_PairWorker):
             except ValueError as exc:  # the payload size is unknown: cannot stay in step
                 self._break(str(exc))
                 return
-            seq, self.seq = self.seq, self.seq + 1
-            if not self._receive(seq, header, arrived):
+            self.seq += 1
+            if not self._receive(header, arrived):
                 return
 
     def _claim(self, header: KVHeader) -> tuple[_Op | None, str | None]:
@@ -925,45 +914,36 @@ class _RecvWorker(_PairWorker):
         bad = [f"{k} {getattr(h, k)!r} != {v!r}" for k, v in want.items() if getattr(h, k) != v]
         return f"header mismatch: {', '.join(bad)}" if bad else None
 
-    def _receive(self, seq: int, header: KVHeader, arrived: float) -> bool:
-        """Take one payload and answer it; returns False when the pair broke."""
+    def _receive(self, header: KVHeader, arrived: float) -> bool:
+        """Take one payload and answer it; returns False when the pair broke. The first receives are posted
+        before the header is checked (their sizes follow from the header alone): the bytes move meanwhile. A
+        refused payload is drained into those scratch buffers, so the pair stays in step."""
         cfg = self.end.config
-        op, problem = self._claim(header)
-        if header.error:  # the sender gave up before the payload: nothing follows on the wire
-            if op is not None:
-                self.end._finish(op, TransferState.FAILED, f"sender failed: {header.error}")
-            self.channel.delete(f"h{seq}")
-            return True
-        deadline = time.monotonic() + cfg.timeout_s
-        if op is not None:
-            op.num_bytes = header.total_bytes()
-            op.marks["header"] = arrived
-            op.marks["claimed"] = deadline - cfg.timeout_s
-        pieces = header.pieces()
-        page_bytes = [p[2] for p in pieces]
-        if op is not None and problem is None:
-            layout = self._layout(header)
-            sizes, plans = layout.sizes, layout.plans
-        else:  # refused: drain the payload into scratch memory, in the sizes the sender uses
-            sizes = [chunk_nbytes(c, page_bytes) for c in plan_chunks(page_bytes, header.num_pages,
-                                                                       header.max_chunk_bytes)]
-            plans = None
+        deadline = arrived + cfg.timeout_s
+        sizes = header_chunk_sizes(header)
+        op: _Op | None = None
         try:
             with self._on_stream():
+                pending = deque(self._post_recv(i, n, header.request_id)
+                                for i, n in enumerate(sizes[:cfg.max_inflight_chunks]))
+                recv0 = time.monotonic()
+                op, problem = self._claim(header)
+                plans = None
+                if op is not None:
+                    op.num_bytes = header.total_bytes()
+                    op.marks.update(header=arrived, recv0=recv0, claimed=time.monotonic())
+                    if problem is None:
+                        plans = self._layout(header).plans
                 sums = sent = None
                 if header.checksum:
                     sums = torch.empty(len(sizes), dtype=torch.int64, device=self.end.device)
                     sent = torch.empty(len(sizes), dtype=torch.int64, device=self.end.device)
-                inflight: deque = deque()
-                for i, nbytes in enumerate(sizes):
-                    if len(inflight) >= cfg.max_inflight_chunks:
-                        self._land(*inflight.popleft(), op, plans, sums, deadline)
-                    buf = torch.empty(nbytes, dtype=torch.uint8, device=self.end.device)
-                    inflight.append((i, buf, self.channel.recv(buf, tag=header.request_id)))
-                    if i == 0 and op is not None:
-                        op.marks["recv0"] = time.monotonic()
-                while inflight:
-                    self._land(*inflight.popleft(), op, plans, sums, deadline)
+                next_chunk = len(pending)
+                while pending:
+                    self._land(*pending.popleft(), op, plans, sums, deadline)
+                    if next_chunk < len(sizes):
+                        pending.append(self._post_recv(next_chunk, sizes[next_chunk], header.request_id))
+                        next_chunk += 1
                 if header.checksum:
                     self.channel.order_after(self.channel.recv(sent, tag=header.request_id), deadline, "recv")
                 if op is not None:
@@ -991,8 +971,11 @@ class _RecvWorker(_PairWorker):
         except TransferError as exc:
             self._break(str(exc))
             return False
-        self.channel.delete(f"h{seq}")  # after the answer: off the sender's critical path
         return True
+
+    def _post_recv(self, i: int, nbytes: int, tag: str) -> tuple[int, torch.Tensor, Any]:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.end.device)
+        return i, buf, self.channel.recv(buf, tag=tag)
 
     def _ok_status(self) -> torch.Tensor:
         """The answer to a good payload, built once (no host-to-device copy per transfer). Only ever read by the
@@ -1064,17 +1047,17 @@ class FaultyChannel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def put(self, key: str, value: bytes, *, tag: str = "") -> None:
+    def post_header(self, value: bytes, *, tag: str = "") -> None:
         fault = self.faults.get(tag)
-        if key.startswith("h") and fault == "peer_gone":
+        if fault == "peer_gone":
             raise PeerGone(f"injected for {tag!r}")
-        if key.startswith("h") and fault == "corrupt_header":
+        if fault == "corrupt_header":
             # a wrong dtype of the same element size: the payload size stays what the sender sends
             d = json.loads(value)
             d["dtype"] = {2: "torch.float16" if d["dtype"] != "torch.float16" else "torch.bfloat16",
                           4: "torch.int32"}.get(d["element_size"], "torch.uint8")
             value = json.dumps(d).encode()
-        self.inner.put(key, value, tag=tag)
+        self.inner.post_header(value, tag=tag)
 
     def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
         fault = self.faults.get(tag)

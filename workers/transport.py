@@ -1,20 +1,22 @@
 """The wire under the KV transfer: one 2-party channel per (prefill shard, decode shard) pair.
 
-A `PairChannel` is a TCPStore (rendezvous, and one small keyed message per transfer: its header) plus a
-standalone torch.distributed backend of two ranks built from that store (point-to-point send/recv: the payload,
-and the receiver's status back; NCCL on GPU, gloo on CPU). The backend is constructed directly
+A `PairChannel` is three connections between the two sides: a TCPStore (rendezvous only), a header stream (a plain
+TCP connection, TCP_NODELAY: one small length-prefixed message per transfer, sender -> receiver) and a standalone
+torch.distributed backend of two ranks built from the store (point-to-point send/recv: the payload, and the
+receiver's status back; NCCL on GPU, gloo on CPU). The backend is constructed directly
 (`ProcessGroupGloo(store, rank, 2, ...)`, `ProcessGroupNCCL(store, rank, 2, timeout)`) instead of through
 `init_process_group`/`new_group`, because the default group is process-global: a shard must be able to hold
 several pair channels next to its TP group.
 
-Why the header still goes through the store and not through the backend: the decode shard cannot know when a
-prefill will finish (queue + compute: seconds to minutes), so a header receive posted on the backend would wait
-that long. On NCCL that is a kernel spinning on the decode GPU during decode steps, killed (with the process, by
-default) by the watchdog after the channel timeout; on gloo a timed-out receive closes the connection. A "doorbell"
-through the store before a backend header would cost the same one store message as the header itself, plus one
-backend message. So: the header is the one store message of a transfer (one-way: the receiver is already blocked
-in `get`), and everything after it (payload, status) is posted on the backend only once a payload of known size
-is known to follow, with deadlines shorter than the backend's own timeout.
+Why the header does not go through the backend: the decode shard cannot know when a prefill will finish (queue +
+compute: seconds to minutes), so a header receive posted on the backend would wait that long. On NCCL that is a
+kernel spinning on the decode GPU during decode steps, killed (with the process, by default) by the watchdog
+after the channel timeout; on gloo a timed-out receive closes the connection. So the receiver's pair thread
+blocks in a socket read (no GIL, no device), and the payload and status are posted on the backend only once a
+payload of known size is known to follow, with deadlines shorter than the backend's own timeout.
+Why a socket and not the store (measured on 2 x H200, bench_kv_transfer.py): a store `set` is a round trip and
+a waiting `get` another one after the key appears, ~0.1-0.2 ms on the transfer's critical path; the stream's
+write returns at once and the reader wakes on arrival.
 
 Rendezvous: the listening side (rank 0, by convention the decode shard) binds a socket on a port the OS picks,
 on 127.0.0.1 unless told otherwise; the other side connects to `channel.address`. Both sides must then call
@@ -26,8 +28,10 @@ socket's backlog. Why: every TCPStore connection (the server's own one too) make
 peer's address (`getnameinfo` without NI_NUMERICHOST, for its log text), and for the IPv4-mapped loopback
 address `/etc/hosts` does not answer, so it goes to DNS; a DNS server that drops a query costs the resolver's
 5 s timeout (seen on the test box for about 1 connection in 17-25: `PairChannel.listen`, with its three
-connections, then took 5 s in 1 of 10-20 calls; now it takes ~0 ms). In `open()` such a stall delays one pair's opening, not the caller, and pairs open side by side.
-Rank 0 also uses the server's own connection as its control client, one connection fewer.
+connections, then took 5 s in 1 of 10-20 calls; now it takes ~0 ms). In `open()` such a stall delays one pair's
+opening, not the caller, and pairs open side by side. Rank 0 uses the server's own connection as its client, and
+the header stream is a plain socket (no name lookup): two store connections per pair in all. The header port is
+published in the store by rank 0 (key "hdr_port").
 """
 from __future__ import annotations
 
@@ -85,6 +89,29 @@ def _classify(exc: BaseException, what: str) -> TransferError:
     return PeerGone(f"{what}: {text.splitlines()[0][:300]}")
 
 
+def _bound_socket(host: str) -> socket.socket:
+    """A listening TCP socket on a port of `host` that the OS picks."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise PeerGone("header stream closed mid-header")
+        got += k
+    return bytes(buf)
+
+
 class PairChannel:
     """One side of a 2-party channel. Rank 0 listens (hosts the store), rank 1 connects.
 
@@ -107,12 +134,12 @@ class PairChannel:
         self.timeout_s = timeout_s
         self.local_host = local_host
         self._listen_socket = listen_socket  # rank 0, until open() hands it to the store
-        # two client connections (made by open()): a TCPStore client serialises its operations, so a thread
-        # blocked in `get` on one would stall everybody else using the same object. On rank 0 `_ctl` is the
-        # server store itself (the key space lives there and it has its own client connection).
+        self._hdr_listen: socket.socket | None = None  # rank 0: where the peer's header connection arrives
+        self._hdr: socket.socket | None = None  # the header stream (rank 1 writes, rank 0 reads), made by open()
+        self._hdr_lock = threading.Lock()
+        # the store (made by open()): rendezvous only. On rank 0 `_ctl` is the server store itself (the key space
+        # lives there and it has its own client connection).
         self._ctl: Any = None
-        self._aux: Any = None
-        self._get_timeout: float | None = None
         self._pg: Any = None
         self._open_lock = threading.Lock()
         self.closed = False
@@ -123,15 +150,11 @@ class PairChannel:
                timeout_s: float = 60.0) -> PairChannel:
         """Listen on a free port of `host` (chosen by the OS); the peer connects to `.address`. Returns at once:
         the pair's store is built on this socket by `open()`."""
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind((host, 0))
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(rank=0, host=host, port=sock.getsockname()[1], backend=backend, device=device,
-                   timeout_s=timeout_s, local_host=host, listen_socket=sock)
+        sock, hdr = _bound_socket(host), _bound_socket(host)
+        ch = cls(rank=0, host=host, port=sock.getsockname()[1], backend=backend, device=device,
+                 timeout_s=timeout_s, local_host=host, listen_socket=sock)
+        ch._hdr_listen = hdr
+        return ch
 
     @classmethod
     def connect(cls, address: tuple[str, int], *, backend: str = "gloo", device: torch.device | str = "cpu",
@@ -166,21 +189,43 @@ class PairChannel:
         return server
 
     def _connect_store(self) -> None:
-        """The control connections, once (the first `open()`)."""
+        """The store connection, once (the first `open()`)."""
         if self._ctl is None:
             self._ctl = self._serve() if self.rank == 0 else self._client()
-        if self._aux is None:
-            self._aux = self._client()
+
+    def _connect_headers(self) -> None:
+        """The header stream, once: rank 0 publishes its header port in the store and accepts; rank 1 reads the
+        port and connects. TCP_NODELAY: a header is one small write that must leave at once."""
+        if self._hdr is not None:
+            return
+        try:
+            if self.rank == 0:
+                lst = self._hdr_listen
+                self._ctl.set("hdr_port", str(lst.getsockname()[1]).encode())
+                lst.settimeout(self.timeout_s)
+                conn, _ = lst.accept()
+                lst.close()
+                self._hdr_listen = None
+            else:
+                self._ctl.set_timeout(_td(self.timeout_s))
+                port = int(self._ctl.get("hdr_port"))
+                conn = socket.create_connection((self.host, port), timeout=self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(None)
+        except Exception as exc:
+            raise _classify(exc, f"header connection on {self.host}") from exc
+        self._hdr = conn
 
     def open(self) -> None:
-        """Reach the store, then build the 2-rank backend; blocks until the peer calls `open()` too (or the
-        timeout passes)."""
+        """Reach the store and the header stream, then build the 2-rank backend; blocks until the peer calls
+        `open()` too (or the timeout passes)."""
         with self._open_lock:
             if self._pg is not None:
                 return
             if self.closed:
                 raise PeerGone("channel closed")
             self._connect_store()
+            self._connect_headers()
             store = dist.PrefixStore("pg", self._ctl)
             try:
                 if self.backend == "gloo":
@@ -198,41 +243,50 @@ class PairChannel:
     def is_open(self) -> bool:
         return self._pg is not None
 
-    # ---- control plane (store) ----------------------------------------------------------------------------
-    def put(self, key: str, value: bytes, *, tag: str = "") -> None:
+    # ---- control plane (the header stream) -----------------------------------------------------------------
+    def post_header(self, raw: bytes, *, tag: str = "") -> None:
+        """Rank 1: one header (length-prefixed) down the stream; returns once the kernel has it (no round trip)."""
+        if len(raw) >= 2**32:
+            raise ValueError("header: too large")
         try:
-            self._ctl.set(key, value)
+            with self._hdr_lock:
+                self._hdr.sendall(len(raw).to_bytes(4, "little") + raw)
         except Exception as exc:
-            raise _classify(exc, f"store set {key}") from exc
+            raise _classify(exc, "header send") from exc
 
-    def get(self, key: str, timeout_s: float, *, tag: str = "") -> bytes:
-        """Block until `key` exists (at most `timeout_s`) and return it (one round trip: the store's `get`
-        waits for the key itself)."""
+    def next_header(self, timeout_s: float, *, tag: str = "") -> bytes:
+        """Rank 0: block until the next header arrives (at most `timeout_s` for its first byte: TransferTimeout)
+        and return it. The rest of a started header is read under the channel timeout, so a timeout never
+        leaves half a header behind. EOF (peer gone, or `wake`) is PeerGone."""
+        sock = self._hdr
+        if sock is None:
+            raise PeerGone("header stream closed")
         try:
-            if timeout_s != self._get_timeout:
-                self._ctl.set_timeout(_td(timeout_s))
-                self._get_timeout = timeout_s
-            return self._ctl.get(key)
+            sock.settimeout(timeout_s)
+            try:
+                first = sock.recv(4)
+            except (socket.timeout, TimeoutError):
+                raise TransferTimeout("no header in time") from None
+            if not first:
+                raise PeerGone("header stream closed by the peer")
+            sock.settimeout(self.timeout_s)
+            size = int.from_bytes(first + _recv_exact(sock, 4 - len(first)), "little")
+            return _recv_exact(sock, size)
+        except TransferError:
+            raise
         except Exception as exc:
-            raise _classify(exc, f"store get {key}") from exc
+            raise _classify(exc, "header receive") from exc
 
-    def delete(self, key: str) -> None:
-        """Drop a consumed key (off the critical path: after the transfer it belonged to)."""
-        try:
-            self._ctl.delete_key(key)
-        except Exception:
-            pass
-
-    def wake(self, key: str, value: bytes) -> None:
-        """Set a key from another thread (used to wake a worker blocked in `get`). Before `open()` reached the
-        store there is nobody to wake: a worker checks its stop flag once `open()` returned."""
-        aux = self._aux
-        if aux is None:
+    def wake(self) -> None:
+        """From another thread: end a `next_header` wait (it raises PeerGone; the worker then sees its stop
+        flag). Before `open()` made the stream there is nobody to wake: a worker checks its flag after open()."""
+        sock = self._hdr
+        if sock is None:
             return
         try:
-            aux.set(key, value)
-        except Exception:
-            pass  # the store is gone: the worker will notice by itself
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     # ---- data plane (backend) -----------------------------------------------------------------------------
     def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
@@ -300,10 +354,12 @@ class PairChannel:
                 pg.shutdown()
             except Exception:
                 pass
-        self._ctl = self._aux = None
-        sock, self._listen_socket = self._listen_socket, None
-        if sock is not None:  # never opened: the socket is still ours
-            sock.close()
+        self._ctl = None
+        for name in ("_listen_socket", "_hdr_listen", "_hdr"):  # the first only if never opened
+            sock = getattr(self, name)
+            setattr(self, name, None)
+            if sock is not None:
+                sock.close()
 
 
 __all__ = ["PairChannel", "TransferError", "TransferTimeout", "PeerGone", "poll_until"]
