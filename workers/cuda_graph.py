@@ -231,7 +231,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._copied: torch.cuda.Event | None = None  # the last H2D copy out of `staging`
         self.capture_seconds: float | None = None
-        self.pool_bytes: int | None = None  # device memory the captures reserved (graph pool + buffers)
+        self.pool_bytes: int | None = None  # device memory reserved during capture (the graph pool, mostly)
 
     @property
     def max_batch(self) -> int:
@@ -295,7 +295,9 @@ class DecodeGraphs:
             self.forward(b)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: only this thread's unsafe CUDA calls break the capture; a server's other threads
+            # (metrics, KV transfer) may keep calling the runtime meanwhile
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self.forward(b)
             self._graphs[b] = graph
         torch.cuda.synchronize(self.device)
