@@ -6,11 +6,12 @@ replica B). Load: the requests this router has in flight on each replica (exact,
 by the queue the replica last reported (polled at most every `STATS_TTL_S`), then by which was used least
 recently, so equal replicas take turns even when requests arrive one at a time.
 
-Disaggregated (docs/disaggregation.md), per request: pick a prefill replica (load, queue) and a decode replica
-(load, free pages); the decode replica admits the request and reserves its pages first (a full one passes to
-the next; none left = 503 `kv_capacity`) and says where the KV goes (a decode replica with attention DP: the
-sub-group of the dp rank that took the request); the prefill replica runs the prompt, streams the first token (sent
-to the client at once) and sends the KV into those pages; when it reports the transfer done, the decode
+Disaggregated (docs/disaggregation.md), per request: pick a prefill replica (load, queue; one with attention
+DP places the request on its least loaded dp rank first) and a decode replica (load, free pages); the decode
+replica admits the request and reserves its pages first (a full one passes to the next; none left = 503
+`kv_capacity`) and says where the KV goes (a decode replica with attention DP: the sub-group of the dp rank that
+took the request); the prefill replica runs the prompt, streams the first token (sent to the client at once) and
+sends the KV into those pages; when it reports the transfer done, the decode
 replica streams the rest. A failed transfer frees the pages on both sides and ends the request with 503
 `kv_transfer_failed` (or, with `transfer.retry_prefill`, runs the prefill once more under a new transfer id and
 keeps the first token). The KV pairs between every (prefill, decode) replica pair are opened by this router
@@ -147,7 +148,8 @@ class Router:
             await asyncio.gather(*(self._open_pair(p, d, 0) for p, d in missing))
 
     async def _open_pair(self, p: ReplicaKey, d: ReplicaKey, gen: int) -> None:
-        listened = await self._engines[d].kv_listen.remote(self._group(p, gen), self._config.prefill.tp)
+        listened = await self._engines[d].kv_listen.remote(self._group(p, gen), self._config.prefill.tp,
+                                                           self._config.prefill.dp)
         await self._engines[p].kv_connect.remote(self._group(d, gen), listened)
         self._pairs[(p, d)] = gen
         logger.info("KV pair %s -> %s open (generation %d)", p, d, gen)
@@ -183,15 +185,17 @@ class Router:
         self._last_used[order[0]] = self._picks
         return order
 
-    async def _admit(self, req: EngineRequest, p: ReplicaKey) -> tuple[ReplicaKey, str] | EngineError:
+    async def _admit(self, req: EngineRequest, p: ReplicaKey,
+                     p_rank: int | None) -> tuple[ReplicaKey, str] | EngineError:
         """Reserve the request's pages on the first decode replica with room: (that replica, the group name its
-        prefill sends the KV to: the replica's, or with attention DP the admitting dp rank's sub-group)."""
+        prefill sends the KV to: the replica's, or with attention DP the admitting dp rank's sub-group).
+        `p_rank`: the prefill replica's dp rank that runs it (attention DP), whose shards the decode expects."""
         full = None
         for d in self._pick_decode_order():
             gen = self._pairs[(p, d)]
             try:
                 res = await self._engines[d].admit.remote(req, self._group(p, gen), req.request_id,
-                                                          self._group(d, gen))
+                                                          self._group(d, gen), p_rank)
             except Exception as e:  # that replica is gone: try the next
                 full = EngineError(status=503, message=f"decode replica {d[1]} unreachable ({type(e).__name__})",
                                    code="engine_unavailable", retry_after=1.0)
@@ -231,8 +235,16 @@ class Router:
                 sub = req if attempt == 0 else dataclasses.replace(req, request_id=f"{rid}#retry{attempt}")
                 tid = sub.request_id
                 p = self._pick("prefill")
-                admitted = await self._admit(sub, p)
+                touched.append((p, tid))  # from here an abort must reach it (a placement is held there)
+                p_rank = await self._place(p, tid)
+                if isinstance(p_rank, EngineError):
+                    done = True
+                    yield p_rank
+                    return
+                admitted = await self._admit(sub, p, p_rank)
                 if isinstance(admitted, EngineError):
+                    if p_rank is not None:
+                        await self._abort_on(p, tid)  # let the placement go
                     done = True
                     yield admitted
                     return
@@ -240,7 +252,6 @@ class Router:
                 touched.append((d, tid))
                 self._inflight[d] += 1
                 busy.append(d)
-                touched.append((p, tid))
                 self._inflight[p] += 1
                 busy.append(p)
                 pstream = self._engines[p].options(stream=True).prefill.remote(sub, send_to, tid)
@@ -294,6 +305,17 @@ class Router:
                 for s in streams:
                     s.cancel()
                 await asyncio.gather(*(self._abort_on(k, eid) for k, eid in touched), return_exceptions=True)
+
+    async def _place(self, p: ReplicaKey, tid: str) -> int | None | EngineError:
+        """The dp rank of prefill replica `p` that will run `tid` (None without attention DP): the decode side
+        must know it before the prefill runs, to prepare the receive from that rank's shards."""
+        if self._config.prefill.dp == 1:
+            return None
+        try:
+            return await self._engines[p].place.remote(tid)
+        except Exception as e:  # that replica is gone
+            return EngineError(status=503, message=f"prefill replica {p[1]} unreachable ({type(e).__name__})",
+                               code="engine_unavailable", retry_after=1.0)
 
     async def _abort_on(self, key: ReplicaKey, engine_request_id: str) -> None:
         try:

@@ -8,9 +8,10 @@ exceptions: an exception crossing Ray loses its type in ways the ingress should 
 
 Roles (docs/disaggregation.md): a `unified` replica serves `generate`. A `prefill` replica serves `prefill`:
 the first token (as an `EngineChunk`), then a `TransferOutcome` once the request's KV reached the decode
-replica. A `decode` replica serves `admit` (reserve pages and say where prefill sends the KV: with attention
-DP, the admitting dp rank's sub-group; refusal = an `EngineError`) and then `decode` (the stream after the
-first token). The router opens the KV pairs through `kv_listen` / `kv_connect`.
+replica; with attention DP it first answers `place` (the dp rank whose shards will send the KV). A `decode`
+replica serves `admit` (reserve pages and say where prefill sends the KV: with attention DP, the admitting dp
+rank's sub-group; refusal = an `EngineError`) and then `decode` (the stream after the first token). The router
+opens the KV pairs through `kv_listen` / `kv_connect`.
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ class EngineServer:
         self._counters = {"started": 0, "finished": 0, "aborted": 0, "rejected": 0}
         # KV transfers the metrics reporter recorded (prefill side: one per transfer)
         self._transfer_totals = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
-        self._dp_admissions: dict[int, int] = {}  # decode with attention DP: admitted requests per dp rank
+        self._dp_admissions: dict[int, int] = {}  # attention DP: requests admitted (decode) / placed per dp rank
         # When each event left this replica for the router (time.time(): the client's and the engines' clock):
         # kind "chunk" (with its token count), "outcome" (prefill's transfer result), "decode" (the router's
         # decode call arrived). Serve hop = client arrival - chunk; see debug_timeline.
@@ -346,6 +347,19 @@ class EngineServer:
                 self._engine.abort(req.request_id)
             self._counters["finished" if ended else "rejected" if refused else "aborted"] += 1
 
+    async def place(self, request_id: str) -> int | None:
+        """Prefill with attention DP: the dp rank that will run `request_id` (held for its `prefill` call; an
+        `abort` lets it go), so the decode replica can prepare the receive from that rank's shards. None for a
+        dp=1 engine (or one not loaded: its `prefill` answers why). Not through the step thread: a placement
+        must not wait for the prefill step in progress."""
+        engine = getattr(self._engine, "engine", None)
+        place = getattr(engine, "place_request", None)  # DPEngine only
+        if place is None:
+            return None
+        rank = place(request_id)
+        self._dp_admissions[rank] = self._dp_admissions.get(rank, 0) + 1
+        return rank
+
     async def kv_connect(self, decode_group: str, listened: list) -> None:
         """Join the pairs a decode replica listens on; returns when they are open."""
         await self._require_engine().call(lambda e: e.kv_connect(decode_group, listened))
@@ -358,14 +372,19 @@ class EngineServer:
 
     # -- disaggregation: decode side ------------------------------------------------------------------------
     async def admit(self, req: EngineRequest, prefill_group: str, transfer_id: str | None = None,
-                    decode_group: str | None = None) -> Admitted | EngineError:
-        """Reserve the pages of a prompt that `prefill_group` computes: an `Admitted` (page count, dp rank, and
-        where prefill must send the KV: `decode_group`, this replica's name on the prefill side, or with
-        attention DP the admitting dp rank's sub-group of it), or an `EngineError` (503 `kv_capacity` when
-        this replica has no room now, 400 for a request it can never serve)."""
+                    decode_group: str | None = None, prefill_dp_rank: int | None = None) -> Admitted | EngineError:
+        """Reserve the pages of a prompt that `prefill_group` computes (on its dp rank `prefill_dp_rank`, when
+        the prefill replica has attention DP: the receive then expects that rank's shards): an `Admitted`
+        (page count, dp rank, and where prefill must send the KV: `decode_group`, this replica's name on the
+        prefill side, or with attention DP the admitting dp rank's sub-group of it), or an `EngineError` (503
+        `kv_capacity` when this replica has no room now, 400 for a request it can never serve)."""
         if self._engine is None:
             return self._not_ready()
         rid = req.request_id
+        if prefill_dp_rank is not None:
+            from workers.transfer import TransferAgent
+
+            prefill_group = TransferAgent.dp_group(prefill_group, prefill_dp_rank)
 
         def reserve(engine) -> tuple[list[int] | None, int | None]:
             # one step-thread call: the dp rank is read before anything (a step, an abort) can move the request
@@ -420,12 +439,14 @@ class EngineServer:
             await stream.aclose()
 
     async def dp_admissions(self) -> dict[int, int]:
-        """Decode with attention DP: how many requests each dp rank admitted so far (empty for dp=1)."""
+        """With attention DP: how many requests each dp rank took so far (decode: admitted; prefill: placed;
+        empty for dp=1)."""
         return dict(self._dp_admissions)
 
-    async def kv_listen(self, prefill_group: str, prefill_tp: int) -> list:
-        """Open the pairs from a prefill replica's shards; returns what they `kv_connect` to."""
-        return await self._require_engine().call(lambda e: e.kv_listen(prefill_group, prefill_tp))
+    async def kv_listen(self, prefill_group: str, prefill_tp: int, prefill_dp: int = 1) -> list:
+        """Open the pairs from a prefill replica's shards (per prefill dp rank when it has attention DP);
+        returns what they `kv_connect` to."""
+        return await self._require_engine().call(lambda e: e.kv_listen(prefill_group, prefill_tp, prefill_dp))
 
     async def kv_drop(self, group: str) -> None:
         await self._require_engine().call(lambda e: e.kv_drop(group))

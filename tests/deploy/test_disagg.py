@@ -149,3 +149,28 @@ def test_serve_cli_disaggregate_flags():
     preset = config_from_args({"config_file": "configs/serve/cpu-pd.yaml"})
     assert preset.disaggregate and preset.device == "cpu" and set(preset.groups()) == {"prefill", "decode"}
     assert overrides_from_args(parser.parse_args([])) == {}
+
+
+def test_serve_cli_prefill_dp():
+    """`--prefill-dp 2` (attention DP on the prefill side, docs/disaggregation.md) is a valid disaggregated
+    layout, also with EP across its dp ranks; a layout that cannot be built is refused naming the field."""
+    import argparse
+
+    from deploy.app import config_from_args
+    from deploy.config import ConfigError
+    from deploy.serve_cmd import add_arguments, overrides_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def load(*flags: str):
+        return config_from_args({"overrides": overrides_from_args(parser.parse_args(["--disaggregate", *flags]))})
+
+    prefill = load("--prefill-dp", "2").groups()["prefill"]
+    assert (prefill.tp, prefill.dp, prefill.ep, prefill.parallel.world_size) == (1, 2, 1, 2)
+    both = load("--prefill-dp", "2", "--prefill-ep", "2", "--decode-dp", "2").groups()
+    assert (both["prefill"].parallel.dp, both["prefill"].parallel.ep, both["decode"].parallel.dp) == (2, 2, 2)
+    with pytest.raises(ConfigError, match=r"prefill: ep: 3 must divide tp \* dp = 2"):
+        load("--prefill-dp", "2", "--prefill-ep", "3")
+    with pytest.raises(ConfigError, match="prefill: dp: must be >= 1, got 0"):
+        load("--prefill-dp", "0")

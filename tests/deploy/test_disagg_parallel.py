@@ -2,10 +2,14 @@
 - a prefill replica whose engine is a tp=2 worker group (two ShardWorker actors, each sending its own KV heads
   from its own process) and a tp=1 decode replica: concurrent greedy completions equal the unified app; a
   refused transfer from both prefill shards is a clean 503;
-- a tp=1 prefill replica and a decode replica with attention DP (dp=2, ep=2: one receiving shard per dp rank,
-  the experts split over both): the decode replica admits each request on a dp rank and the router has the
-  prefill send the KV to that dp rank's sub-group; concurrent greedy completions equal the unified app.
-Both sides hold zero pages afterwards."""
+- a prefill replica with attention DP (dp=2: one sending shard per dp rank) and a decode replica with attention
+  DP (dp=2, ep=2: one receiving shard per dp rank, the experts split over both): the prefill replica places
+  each request on its least loaded dp rank, the decode replica admits it on a dp rank of its own and expects
+  the KV from the placed prefill rank's shard, and the router has that shard send it to the admitting rank's
+  sub-group; concurrent greedy completions equal the unified app.
+Both sides hold zero pages afterwards. (The tp=1 prefill -> dp2 decode and dp2 ep2 prefill layouts are covered
+engine to engine in tests/workers/test_disagg_parallel.py; one app here covers both sides' dp through the
+router, since every extra app costs ~15-20 s of start on the 2-core box.)"""
 from __future__ import annotations
 
 import asyncio
@@ -47,8 +51,8 @@ def app(serve_app):
 def dp_app(serve_app):
     import dataclasses
 
-    config = {**PD_CONFIG, "api_key": serve_app.api_key,
-              "prefill": {"num_cpus_per_shard": 0.1}, "decode": {"dp": 2, "ep": 2, "num_cpus_per_shard": 0.1}}
+    config = {**PD_CONFIG, "api_key": serve_app.api_key, "prefill": {"dp": 2, "num_cpus_per_shard": 0.1},
+              "decode": {"dp": 2, "ep": 2, "num_cpus_per_shard": 0.1}}
     base = serve_app.deploy_extra(DP_NAME, config)
     serve_app.wait_healthy_at(base)
     yield dataclasses.replace(serve_app, base_url=base, config=config, extra_apps=[])
@@ -99,24 +103,33 @@ def test_tp2_prefill_to_tp1_decode_equals_unified(app, serve_app):
     assert totals["bytes"] == sum(-(-n // 16) for n in LENGTHS) * PER_PAGE
 
 
-def test_refused_transfer_from_both_shards_is_a_503(app):
+def refused_is_a_503(app, app_name: str) -> None:
+    """A transfer whose header every prefill shard corrupts: the first token, then a 503 naming the refusal;
+    the pairs are in step still (not replaced), and no page is held."""
+    rid = f"{app_name}-bad"
     prompt = [random.Random(2).randrange(3, 384) for _ in range(80)]
-    req = EngineRequest(request_id="pdtp2-bad", prompt_token_ids=prompt,
+    req = EngineRequest(request_id=rid, prompt_token_ids=prompt,
                         params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    handle("EngineServer-prefill-0").inject_transfer_faults.remote({"pdtp2-bad": "corrupt_header"}).result()
+    prefill = handle("EngineServer-prefill-0", app_name)
+    prefill.inject_transfer_faults.remote({rid: "corrupt_header"}).result()
     try:
-        events = list(handle("Router").options(stream=True).generate.remote(req))
+        events = list(handle("Router", app_name).options(stream=True).generate.remote(req))
     finally:
-        handle("EngineServer-prefill-0").inject_transfer_faults.remote({}).result()
+        prefill.inject_transfer_faults.remote({}).result()
     assert isinstance(events[0], EngineChunk) and len(events[0].samples[0].token_ids) == 1  # the first token
     err = events[-1]
     assert isinstance(err, EngineError) and err.status == 503 and err.code == "kv_transfer_failed", err
     assert "header mismatch" in err.message
     app.wait_idle()
     assert pages_in_use(app) == {"prefill-0": 0, "decode-0": 0}
+    assert handle("Router", app_name).pairs.remote().result() == {"prefill-0->decode-0": 0}
 
 
-def test_tp1_prefill_to_dp2_decode_equals_unified(dp_app, serve_app):
+def test_refused_transfer_from_both_shards_is_a_503(app):
+    refused_is_a_503(app, NAME)
+
+
+def test_dp2_prefill_to_dp2_decode_equals_unified(dp_app, serve_app):
     rng = random.Random(29)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in LENGTHS]
     got = asyncio.run(completions(dp_app, prompts))
@@ -126,10 +139,18 @@ def test_tp1_prefill_to_dp2_decode_equals_unified(dp_app, serve_app):
     assert pages_in_use(dp_app) == {"prefill-0": 0, "decode-0": 0}  # the decode row sums both dp ranks
     pairs = handle("Router", DP_NAME).pairs.remote().result()
     assert pairs == {"prefill-0->decode-0": 0}, pairs  # opened once, never broken
-    # the requests were spread over both dp ranks (each landed in the pages of the rank that admitted it)
-    admitted = handle("EngineServer-decode-0", DP_NAME).dp_admissions.remote().result()
-    assert set(admitted) == {0, 1} and min(admitted.values()) >= 2 and sum(admitted.values()) == len(LENGTHS), \
-        admitted
+    # the requests were spread over both dp ranks on each side (each prefilled on the rank it was placed on,
+    # landed in the pages of the decode rank that admitted it)
+    for role in ("prefill", "decode"):
+        taken = handle(f"EngineServer-{role}-0", DP_NAME).dp_admissions.remote().result()
+        assert set(taken) == {0, 1} and min(taken.values()) >= 2 and sum(taken.values()) == len(LENGTHS), \
+            (role, taken)
     totals = handle("EngineServer-prefill-0", DP_NAME).transfer_totals.remote().result()
     assert totals["transfers"] == len(LENGTHS) and totals["failed"] == 0
     assert totals["bytes"] == sum(-(-n // 16) for n in LENGTHS) * PER_PAGE
+
+
+def test_refused_transfer_from_a_prefill_dp_rank_is_a_503(dp_app):
+    """The same from the dp2 prefill replica's shard that ran it: the router checks both ends of the pair (the
+    decode side's per-prefill-dp-rank pairs, the prefill side's per-decode-dp-rank ones), finds none broken."""
+    refused_is_a_503(dp_app, DP_NAME)
