@@ -20,13 +20,15 @@ Fixed at capture, so chosen for the worst case:
   * `max_context_len` = max_model_len (a Python int of the metadata; no kernel reads it today).
   * every row is its own request (row_seq = arange, query_start_loc = arange, logits_indices = arange).
 Padded rows (bucket - B of them): token 0 at position 0 with slot -1 (write_kv skips it: nothing is written),
-context length 1 and page 0 (a valid page of the pool, so attention reads one finite token: no NaN, no
-out-of-bounds); their logits are computed and never read.
+context length 1 and page 0 (a page of the pool, so attention reads one token in bounds, never an empty row);
+their logits are computed and never read. Every kernel computes rows independently (attention per row, GEMMs
+and the fused MoE per token row), so what a padded row computes never reaches a real row.
 
-Numerics: the graph replays the very kernels an eager forward of the padded batch launches, so its logits equal
-that forward's. Against an eager step of the unpadded batch (B rows, a table as wide as the longest row) they
-agree to rounding, not bitwise: split counts, GEMM tiles and the fused-MoE config are chosen from B and the table
-width (tests/workers/test_cuda_graph_gpu.py measures the difference).
+Numerics: the graph replays the kernels an eager forward of the same padded batch launches, so its logits match
+that forward's (bitwise, unless cuBLAS picks another algorithm under capture). Against an eager step of the
+unpadded batch (B rows, a table as wide as the longest row) they agree to rounding, not bitwise: split counts,
+GEMM tiles and the fused-MoE config are chosen from B and the table width (tests/workers/test_cuda_graph_gpu.py
+measures both differences).
 
 Capture happens at startup (`DecodeGraphs.capture`, called by the ModelRunner after the KV pool exists), largest
 bucket first so the smaller graphs reuse its memory from the one shared pool. Why not lazily on first use: a
