@@ -8,10 +8,21 @@ Per mode, after a warmup (kernel compiles, KV pairs):
   decode-only: a short stream alone (128-token prompts, 64 output tokens, ignore_eos, fixed concurrency);
   mixed:       the same short stream (fresh prompts) plus a few long prompts (1.5k-2k tokens) arriving at fixed
                offsets spread over the middle of the run.
+  inproc:  the same phases through `workers.async_engine.AsyncEngine` in this process on one GPU (no Ray, no HTTP):
+           the engine alone, so the table shows what the Serve path adds (PERF.md: <= 5% TPOT).
 Reported per mode: the short stream's TPOT p50/p99 and ITL p50/p99 alone and mixed, TTFT p50/p99, the long
 prompts' TTFT, the KV transfers (count, bytes, seconds, from the prefill replica's stats) and the ratio
 PERF.md sets a goal for: mixed TPOT p99 / decode-only TPOT (the decode-only run's median; goal <= 1.2 for pd).
 The ratio to the decode-only p99 is reported beside it.
+
+Where the time goes (benchmarks/serving_trace.py; printed as a few lines per mode and phase before the table):
+the client keeps every request's chunk arrival times and its engine request id; after each phase every replica's
+`EngineServer.debug_timeline` (engine steps with wall-clock start/end, forward and host time; KV handoff marks;
+when each chunk left the replica) is fetched. From both: the first -> second token gap apart from later ITLs;
+the worst requests by TPOT with their largest gaps located (token index, ms, when; long prompts prefilling or
+landing then; the replica's steps in the gap); the decode replica's step times and what fraction of its busy
+wall time is not the forward; per short request the first -> second token gap split into prefill step end ->
+send -> KV landed -> decode step -> client; engine -> server -> client per chunk.
 
 Model (GPU): configs/models/m3-slice.yaml with fewer experts (default 16, top-4), bf16, random weights drawn on
 the GPU by msa.checkpoint.write_checkpoint into /tmp. Prefill attention still runs the torch reference (full
@@ -19,7 +30,8 @@ score matrix per request), so long prompts stay <= 2k tokens.
 
   python benchmarks/bench_serving_pd.py                         # nvidia-h200-x2 (Ray from .whl, see docs)
   python benchmarks/bench_serving_pd.py --device cpu --tiny     # CPU smoke run: tiny model, tiny workload
-Writes $OUT/bench_serving_pd.json when OUT is set (or --out); the last thing printed is the summary table.
+Writes $OUT/bench_serving_pd.json when OUT is set (or --out), and beside it bench_serving_pd.trace.json (the
+raw client traces and replica timelines, compact); the last thing printed is the summary table.
 
 The script supervises itself: the work runs in a child process (own session) under a hard wall-clock budget
 (--budget-s); whatever finished by then is reported, and an overrun child is ended with its Ray processes.
@@ -38,6 +50,7 @@ for _k, _v in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": "ht
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import signal  # noqa: E402
@@ -46,11 +59,16 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from deploy.bench import RequestResult  # noqa: E402
+
 APP_NAME = "bench_pd"
-MODES = ("pd", "unified")  # pd first: if the budget runs short, the disaggregated numbers are the ones kept
+# pd first: if the budget runs short, the disaggregated numbers are the ones kept; inproc last: it loads the model
+# into this process, after the Serve replicas gave their GPUs back
+MODES = ("pd", "unified", "inproc")
 PERCENTILES = [50.0, 90.0, 99.0]
 TPOT_GOAL_RATIO = 1.2  # PERF.md: decode p99 TPOT with concurrent long prefills <= 1.2x the decode-only TPOT
 RESULT_NAME = "bench_serving_pd.json"
@@ -58,10 +76,10 @@ RESULT_NAME = "bench_serving_pd.json"
 # Workload and engine sizes: GPU defaults, and the tiny CPU smoke run (same flow, seconds per phase).
 GPU_DEFAULTS = dict(num_short=48, short_input_len=128, short_output_len=64, concurrency=16, num_long=6,
                     long_input_len=1792, long_range_ratio=0.14, long_output_len=16, max_model_len=4096,
-                    max_num_batched_tokens=2048, budget_s=180.0)
+                    max_num_batched_tokens=2048, budget_s=300.0)
 TINY_DEFAULTS = dict(num_short=8, short_input_len=16, short_output_len=12, concurrency=4, num_long=2,
                      long_input_len=300, long_range_ratio=0.0, long_output_len=4, max_model_len=1024,
-                     max_num_batched_tokens=256, budget_s=110.0)
+                     max_num_batched_tokens=256, budget_s=130.0)
 
 
 # -- arguments ----------------------------------------------------------------------------------------------------
@@ -70,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="the built-in tiny model and the tiny workload")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of unified,pd")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--preset", default="m3-slice", help="model preset written when not --tiny (configs/models)")
     p.add_argument("--num-experts", type=int, default=16, help="routed experts per layer of the written model")
     p.add_argument("--experts-per-tok", type=int, default=4)
@@ -127,13 +145,30 @@ def supervise(argv: list[str], args: argparse.Namespace) -> int:
     results["supervisor"] = {"child_exit": child.returncode, "timed_out": timed_out, "budget_s": args.budget_s}
     if timed_out:
         results.setdefault("errors", []).append(f"budget of {args.budget_s:.0f} s ran out; partial results")
+    traces = split_traces(results)
+    results["serve_vs_inproc"] = serve_vs_inproc(results)
     out = args.out or (os.path.join(os.environ["OUT"], RESULT_NAME) if os.environ.get("OUT") else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
+        # compact: thousands of token times and steps; the readable file keeps what was made of them
+        trace_path = Path(out).with_name(Path(out).name.removesuffix(".json") + ".trace.json")
+        trace_path.write_text(json.dumps(traces, separators=(",", ":")) + "\n")
+    print(format_diagnosis(results), flush=True)
     print(format_table(results), flush=True)
     complete = all(results.get("modes", {}).get(m, {}).get("mixed") for m in args.modes)
     return 0 if complete and not timed_out else 1
+
+
+def split_traces(results: dict) -> dict:
+    """Take the raw traces (`modes.<mode>.<phase>.trace`) out of the results: {mode: {phase: trace}}."""
+    out: dict = {}
+    for mode, doc in results.get("modes", {}).items():
+        for phase in ("decode_only", "mixed"):
+            trace = (doc.get(phase) or {}).pop("trace", None)
+            if trace is not None:
+                out.setdefault(mode, {})[phase] = trace
+    return out
 
 
 def _kill_group(child: subprocess.Popen) -> None:
@@ -167,8 +202,8 @@ class Recorder:
         self.save()
 
     def save(self) -> None:
-        tmp = self.path + ".tmp"
-        Path(tmp).write_text(json.dumps(self.doc, indent=2, default=str) + "\n")
+        tmp = self.path + ".tmp"  # compact: it carries the raw traces until the supervisor splits them out
+        Path(tmp).write_text(json.dumps(self.doc, separators=(",", ":"), default=str) + "\n")
         os.replace(tmp, self.path)
 
 
@@ -286,12 +321,16 @@ class Child:
                     self._error(mode, f"skipped: {self.remaining():.0f} s of the budget left")
                     continue
                 try:
-                    self.run_mode(mode, model_dir, base_url)
+                    if mode == "inproc":
+                        self.run_inproc(model_dir)
+                    else:
+                        self.run_mode(mode, model_dir, base_url)
                 except Exception as e:  # report and go on to the next mode
                     self._error(mode, f"{type(e).__name__}: {e}")
                 finally:
                     try:
-                        serve.delete(APP_NAME)
+                        if mode != "inproc":
+                            serve.delete(APP_NAME)  # blocks until its replicas are gone (and their GPUs free)
                     except Exception as e:
                         self._error(mode, f"serve.delete: {type(e).__name__}: {e}")
         finally:
@@ -328,11 +367,49 @@ class Child:
             raise RuntimeError(f"engines not ready: {state.get('error') or state['engines']}")
         _say(f"{mode}: engines ready in {doc['ready_s']:.1f} s")
         prefill = serve.get_deployment_handle("EngineServer-prefill-0", app_name=APP_NAME) if mode == "pd" else None
+        replicas = {f"{e['role']}-{e['replica']}": serve.get_deployment_handle(
+            f"EngineServer-{e['role']}-{e['replica']}", app_name=APP_NAME) for e in state["engines"]}
 
+        def timelines(since: float) -> dict:
+            return {name: h.debug_timeline.remote(since).result(timeout_s=30) for name, h in replicas.items()}
+
+        self._run_phases(mode, doc, http_driver(base_url, args.concurrency), timelines, prefill)
+        try:
+            rows = router.stats.remote().result(timeout_s=10)
+            doc["engine_stats"] = [{"role": r["role"], "replica": r["replica"], "counters": r["counters"],
+                                    "stats": None if r["stats"] is None else vars(r["stats"])} for r in rows]
+        except Exception as e:
+            doc["engine_stats"] = f"{type(e).__name__}: {e}"
+        self.rec.save()
+
+    def run_inproc(self, model_dir: str) -> None:
+        """The same phases through an AsyncEngine in this process (no Ray, no HTTP): the engine's own TPOT."""
+        from deploy.app import config_from_args
+        from workers.async_engine import AsyncEngine
+        from workers.engine import Engine
+
+        doc: dict[str, Any] = self.rec.doc["modes"].setdefault("inproc", {})
+        config = serve_config(self.args, "unified", model_dir)  # the unified replica's engine, same GPU kind
+        doc["config"] = config
+        cfg = config_from_args({"config": config})
+        t0 = time.monotonic()
+        engine = AsyncEngine(lambda: Engine(model_dir, engine_config=cfg.engine, device=cfg.device, role="unified"))
+        try:
+            doc["ready_s"] = round(time.monotonic() - t0, 2)
+            self.rec.save()
+            _say(f"inproc: engine ready in {doc['ready_s']:.1f} s")
+            self._run_phases("inproc", doc, inproc_driver(engine, self.args.concurrency),
+                             lambda since: {"inproc": engine.debug_timeline(since)}, None)
+        finally:
+            engine.shutdown()
+
+    def _run_phases(self, mode: str, doc: dict, drive, timelines, prefill: Any) -> None:
+        """Warmup, decode-only, mixed through `drive`; traces and timelines of the measured phases."""
+        args = self.args
         seed = args.seed * 1000  # distinct prompts per phase: no prefix-cache hits between phases
         t = time.monotonic()
         # varied lengths step the decode batch through many sizes (kernel variants compile here, not later)
-        warm = self._phase(base_url, seed + 1, num_short=args.concurrency, short_output_len=8, num_long=1,
+        warm = self._phase(drive, seed + 1, num_short=args.concurrency, short_output_len=8, num_long=1,
                            long_at=[0.0], range_ratio=0.5)
         doc["warmup"] = {"seconds": round(time.monotonic() - t, 2), "failed": warm["short"]["failed"]
                          + warm["long"]["failed"], "errors": warm["errors"]}
@@ -340,8 +417,8 @@ class Child:
         _say(f"{mode}: warmup {doc['warmup']['seconds']:.1f} s")
 
         before = _transfer_totals(prefill)
-        base = self._phase(base_url, seed + 2, num_short=args.num_short, short_output_len=args.short_output_len,
-                           num_long=0, long_at=[])
+        base = self._phase(drive, seed + 2, num_short=args.num_short, short_output_len=args.short_output_len,
+                           num_long=0, long_at=[], timelines=timelines)
         base["kv_transfers"] = _delta(before, _transfer_totals(prefill))
         doc["decode_only"] = base
         self.rec.save()
@@ -352,25 +429,21 @@ class Child:
         n = args.num_long
         long_at = [span * (0.15 + 0.6 * i / max(1, n - 1)) for i in range(n)]
         before = _transfer_totals(prefill)
-        mixed = self._phase(base_url, seed + 3, num_short=args.num_short, short_output_len=args.short_output_len,
-                            num_long=n, long_at=long_at)
+        mixed = self._phase(drive, seed + 3, num_short=args.num_short, short_output_len=args.short_output_len,
+                            num_long=n, long_at=long_at, timelines=timelines)
         mixed["kv_transfers"] = _delta(before, _transfer_totals(prefill))
         doc["mixed"] = mixed
         doc["summary"] = mode_summary(doc)
-        try:
-            rows = router.stats.remote().result(timeout_s=10)
-            doc["engine_stats"] = [{"role": r["role"], "replica": r["replica"], "counters": r["counters"],
-                                    "stats": None if r["stats"] is None else vars(r["stats"])} for r in rows]
-        except Exception as e:
-            doc["engine_stats"] = f"{type(e).__name__}: {e}"
         self.rec.save()
         s = doc["summary"]
         _say(f"{mode}: mixed {mixed['duration_s']:.1f} s, TPOT p99 {s['mixed_tpot_p99_ms']:.1f} ms, "
              f"ratio {s['ratio_p99_to_decode_only_p50']:.2f}")
 
-    def _phase(self, base_url: str, seed: int, *, num_short: int, short_output_len: int, num_long: int,
-               long_at: list[float], range_ratio: float = 0.0) -> dict[str, Any]:
-        """One run: a short stream at fixed concurrency, plus `num_long` long prompts sent at `long_at` s."""
+    def _phase(self, drive, seed: int, *, num_short: int, short_output_len: int, num_long: int,
+               long_at: list[float], range_ratio: float = 0.0, timelines=None) -> dict[str, Any]:
+        """One run: a short stream at fixed concurrency, plus `num_long` long prompts sent at `long_at` s.
+        With `timelines` (since -> {replica: timeline}): the client trace, the replicas' timelines of the run and
+        what `serving_trace.diagnose_phase` makes of them."""
         args = self.args
         from deploy.bench import make_requests
 
@@ -379,11 +452,21 @@ class Child:
         long = make_requests(num_prompts=num_long, input_len=args.long_input_len, output_len=args.long_output_len,
                              range_ratio=args.long_range_ratio, seed=seed + 500) if num_long else []
         timeout = max(5.0, self.remaining())
-        short_res, long_res, duration = asyncio.run(asyncio.wait_for(
-            run_streams(base_url, short, long, long_at, concurrency=args.concurrency,
-                        request_timeout_s=min(args.request_timeout, timeout)), timeout))
-        out = phase_summary(short_res, long_res, duration)
+        run = asyncio.run(asyncio.wait_for(drive(short, long, long_at, min(args.request_timeout, timeout)),
+                                           timeout))
+        out = phase_summary(run.short, run.long, run.duration)
         out["long_sent_at_s"] = [round(t, 3) for t in long_at]
+        if timelines is not None:
+            out["trace"] = trace = {"t0": run.wall0, "short": client_trace(run.short, run.perf0),
+                                    "long": client_trace(run.long, run.perf0), "server": None}
+            try:
+                trace["server"] = timelines(run.wall0)
+            except Exception as e:  # the client numbers stand without it
+                out["trace_error"] = f"{type(e).__name__}: {e}"
+            try:
+                out["diagnosis"] = serving_trace().diagnose_phase(trace, trace["server"])
+            except Exception as e:
+                out["diagnosis_error"] = f"{type(e).__name__}: {e}"
         return out
 
 
@@ -418,35 +501,193 @@ def _delta(before: dict | None, after: dict | None) -> dict | None:
     return d
 
 
+@dataclass
+class StreamsRun:
+    """One phase as the client saw it: results in request order, the short stream's duration, and the run's
+    start on both clocks (perf_counter for the results' times, time.time() for the replicas' timelines)."""
+
+    short: list
+    long: list
+    duration: float
+    perf0: float
+    wall0: float
+
+
+@dataclass(kw_only=True)
+class TracedResult(RequestResult):
+    """What locating a stall needs beyond deploy.bench's result: the engine request id and each chunk's tokens."""
+
+    chunk_tokens: list[int] = field(default_factory=list)
+    request_id: str | None = None  # the engine's id (the ingress's response id + "-0")
+
+
+def http_driver(base_url: str, concurrency: int):
+    async def drive(short: list, long: list, long_at: list[float], request_timeout_s: float) -> StreamsRun:
+        return await run_streams(base_url, short, long, long_at, concurrency=concurrency,
+                                 request_timeout_s=request_timeout_s)
+    return drive
+
+
 async def run_streams(base_url: str, short: list, long: list, long_at: list[float], *, concurrency: int,
-                      request_timeout_s: float) -> tuple[list, list, float]:
-    """The short stream through `deploy.bench.run_benchmark` (at most `concurrency` in flight) and, beside it,
-    each long request sent at its offset from the start. Returns (short results, long results, short duration)."""
+                      request_timeout_s: float) -> StreamsRun:
+    """The short stream (at most `concurrency` in flight, as `deploy.bench.run_benchmark` sends it) and, beside it,
+    each long request sent at its offset from the start; every request traced (`send_traced`)."""
     import aiohttp
 
-    from deploy.bench import build_payload, run_benchmark, send_request
+    from deploy.bench import build_payload
 
     endpoint = "/v1/completions"
-
-    async def long_stream(model: str) -> list:
-        if not long:
-            return []
-        t0 = time.perf_counter()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=request_timeout_s)) as session:
-            async def one(req, at: float):
-                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-                payload = build_payload(req, model=model, endpoint=endpoint, stream=True, ignore_eos=True,
-                                        extra_body={})
-                return await send_request(session, base_url + endpoint, req, payload, stream=True, headers={})
-            return list(await asyncio.gather(*(one(r, at) for r, at in zip(long, long_at))))
-
+    url = base_url + endpoint
     model = await _model_name(base_url)
-    short_task = asyncio.ensure_future(run_benchmark(
-        base_url=base_url, endpoint=endpoint, requests=short, model=model, max_concurrency=concurrency,
-        ignore_eos=True, request_timeout_s=request_timeout_s, progress=False))
-    long_results = await long_stream(model)
-    short_results, duration, _ = await short_task
-    return short_results, long_results, duration
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+
+    def payload(req) -> dict:
+        # return_token_ids: each chunk says how many tokens it carries (a late chunk may bring several)
+        return build_payload(req, model=model, endpoint=endpoint, stream=True, ignore_eos=True,
+                             extra_body={"return_token_ids": True})
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as ss, \
+            aiohttp.ClientSession(timeout=timeout) as ls:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one_short(req) -> TracedResult:
+            async with sem:
+                return await send_traced(ss, url, req, payload(req))
+
+        async def shorts() -> tuple[list, float]:
+            res = await asyncio.gather(*(one_short(r) for r in short))
+            return list(res), time.perf_counter() - perf0
+
+        async def one_long(req, at: float) -> TracedResult:
+            await asyncio.sleep(max(0.0, perf0 + at - time.perf_counter()))
+            return await send_traced(ls, url, req, payload(req))
+
+        perf0, wall0 = time.perf_counter(), time.time()
+        short_task = asyncio.ensure_future(shorts())
+        long_results = list(await asyncio.gather(*(one_long(r, at) for r, at in zip(long, long_at))))
+        short_results, duration = await short_task
+    return StreamsRun(short=short_results, long=long_results, duration=duration, perf0=perf0, wall0=wall0)
+
+
+async def send_traced(session: Any, url: str, req: Any, payload: dict) -> TracedResult:
+    """One SSE completion, measured as `deploy.bench.send_request` measures it (perf_counter on arrival of each
+    chunk with output), keeping the response id and each chunk's token count as well."""
+    from deploy.bench import _chunk_output  # the same "chunk carries output" rule as the shared client
+
+    res = TracedResult(prompt_tokens=req.input_len)
+    res.start = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                res.end = time.perf_counter()
+                return res
+            buf = b""
+            async for raw in resp.content.iter_any():
+                now = time.perf_counter()
+                buf += raw
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    _take_event(res, line.strip(), now, _chunk_output)
+                res.end = now
+        res.output_tokens = res.output_tokens or sum(res.chunk_tokens)
+        res.success = bool(res.chunk_times)
+        if not res.success:
+            res.error = "no output"
+    except Exception as e:  # the benchmark reports failures; it does not stop on them
+        res.end = time.perf_counter()
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _take_event(res: TracedResult, line: bytes, now: float, chunk_output) -> None:
+    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+        return
+    event = json.loads(line[5:].strip())
+    if "error" in event:
+        raise RuntimeError(f"stream error: {event['error']}")
+    if res.request_id is None and event.get("id"):
+        res.request_id = f"{event['id']}-0"  # deploy/ingress.py: engine request id = response id + prompt index
+    if chunk_output(event) is not None:
+        res.chunk_times.append(now)
+        res.chunk_tokens.append(sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ()) or 1)
+    if event.get("usage"):
+        res.output_tokens = int(event["usage"].get("completion_tokens") or 0)
+        res.prompt_tokens = int(event["usage"].get("prompt_tokens") or res.prompt_tokens)
+
+
+def inproc_driver(engine: Any, concurrency: int):
+    """The same workload through `engine` (an AsyncEngine) on this event loop: greedy, ignore_eos, fixed length,
+    as the ingress builds it; a chunk = an output with new tokens, timed when this loop receives it."""
+    phase = itertools.count()
+
+    async def drive(short: list, long: list, long_at: list[float], request_timeout_s: float) -> StreamsRun:
+        tag = f"inproc{next(phase)}"
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one_short(i: int, req) -> TracedResult:
+            async with sem:
+                return await _inproc_request(engine, f"{tag}-s{i}", req, request_timeout_s)
+
+        async def shorts() -> tuple[list, float]:
+            res = await asyncio.gather(*(one_short(i, r) for i, r in enumerate(short)))
+            return list(res), time.perf_counter() - perf0
+
+        async def one_long(i: int, req, at: float) -> TracedResult:
+            await asyncio.sleep(max(0.0, perf0 + at - time.perf_counter()))
+            return await _inproc_request(engine, f"{tag}-l{i}", req, request_timeout_s)
+
+        perf0, wall0 = time.perf_counter(), time.time()
+        short_task = asyncio.ensure_future(shorts())
+        long_results = list(await asyncio.gather(*(one_long(i, r, at) for i, (r, at) in enumerate(zip(long, long_at)))))
+        short_results, duration = await short_task
+        return StreamsRun(short=short_results, long=long_results, duration=duration, perf0=perf0, wall0=wall0)
+    return drive
+
+
+async def _inproc_request(engine: Any, rid: str, req: Any, timeout_s: float) -> TracedResult:
+    from workers.request import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
+    res = TracedResult(prompt_tokens=req.input_len, request_id=rid)
+    res.start = time.perf_counter()
+
+    async def consume() -> None:
+        seen = 0
+        async for out in engine.generate(rid, req.prompt, params):
+            now = time.perf_counter()
+            n = len(out.outputs[0].token_ids)
+            if n > seen:
+                res.chunk_times.append(now)
+                res.chunk_tokens.append(n - seen)
+                seen = n
+            res.end = now
+        res.output_tokens = seen
+
+    try:
+        await asyncio.wait_for(consume(), timeout_s)  # leaving the stream early aborts the request
+        res.success = bool(res.chunk_times)
+    except Exception as e:
+        res.end = time.perf_counter()
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def client_trace(results: list, perf0: float) -> list[dict]:
+    """Each request's times relative to the run start (seconds, 10 us resolution), for serving_trace."""
+    rel = lambda t: round(t - perf0, 5)  # noqa: E731
+    return [{"id": r.request_id, "ok": r.success, "start": rel(r.start), "end": rel(r.end),
+             "t": [rel(t) for t in r.chunk_times], "n": list(r.chunk_tokens), "out": r.output_tokens}
+            for r in results]
+
+
+def serving_trace():
+    """benchmarks/serving_trace.py (beside this script; imported by path so the script runs from anywhere)."""
+    if "serving_trace" not in sys.modules:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import serving_trace as mod
+
+    return mod
 
 
 async def _model_name(base_url: str) -> str:
@@ -493,6 +734,50 @@ def mode_summary(doc: dict) -> dict[str, Any]:
     return out
 
 
+def serve_vs_inproc(results: dict) -> dict[str, dict]:
+    """Per served mode: its decode-only TPOT p50 against the in-process engine's (and the decode replica's step
+    p50 against the in-process one's: equal steps + higher TPOT = the time is between steps or in Serve)."""
+    modes = results.get("modes", {})
+    ref = modes.get("inproc", {})
+    if not ref.get("summary"):
+        return {}
+    base = ref["summary"]["decode_only_tpot_p50_ms"]
+    out = {}
+    for mode in ("unified", "pd"):
+        s = modes.get(mode, {}).get("summary")
+        if not s or base <= 0:
+            continue
+        out[mode] = {"tpot_p50_ms": s["decode_only_tpot_p50_ms"], "inproc_tpot_p50_ms": base,
+                     "overhead": s["decode_only_tpot_p50_ms"] / base - 1.0,
+                     "step_p50_ms": _step_p50(modes[mode]), "inproc_step_p50_ms": _step_p50(ref)}
+    return out
+
+
+def _step_p50(doc: dict) -> float | None:
+    return (((doc.get("decode_only") or {}).get("diagnosis") or {}).get("steps") or {}).get("step_ms", {}).get("p50")
+
+
+def format_diagnosis(results: dict) -> str:
+    """A few lines per mode and phase on where the time went (serving_trace.format_phase)."""
+    st = serving_trace()
+    lines = ["-" * 140, "where the time goes (ms unless noted; all of it: modes.<mode>.<phase>.diagnosis in the JSON, "
+                        "raw traces in the .trace.json)"]
+    for mode, doc in results.get("modes", {}).items():
+        for phase in ("decode_only", "mixed"):
+            ph = doc.get(phase)
+            if not ph:
+                continue
+            diag = ph.get("diagnosis")
+            if diag is None:
+                why = ph.get("diagnosis_error") or ph.get("trace_error") or "no trace"
+                lines.append(f"[{mode}] {phase}: no diagnosis ({why})")
+                continue
+            if ph.get("trace_error"):
+                lines.append(f"[{mode}] {phase}: replica timelines missing ({ph['trace_error']}); client side only")
+            lines += st.format_phase(f"[{mode}] {phase}", ph["short"], diag)
+    return "\n".join(lines)
+
+
 def format_table(results: dict) -> str:
     """Short summary: one row per mode (ms)."""
     cols = [("mode", 8), ("TPOT dec-only p50/p99", 22), ("TPOT mixed p50/p99", 19), ("p99/dec50", 9),
@@ -515,6 +800,11 @@ def format_table(results: dict) -> str:
         lines.append("  ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, cols)))
     for err in results.get("errors", [])[:6]:
         lines.append(f"error: {str(err)[:200]}")
+    overhead = serve_vs_inproc(results)
+    if overhead:
+        lines.append("Serve path vs in-process engine, decode-only TPOT p50 (PERF.md goal <= +5%): " + ", ".join(
+            f"{m} {o['tpot_p50_ms']:.1f} vs {o['inproc_tpot_p50_ms']:.1f} ({100 * o['overhead']:+.0f}%; decode step "
+            f"p50 {f1(o.get('step_p50_ms'))} vs {f1(o.get('inproc_step_p50_ms'))})" for m, o in overhead.items()))
     lines.append(f"goal (PERF.md): pd mixed TPOT p99 <= {TPOT_GOAL_RATIO}x decode-only TPOT (p50); ms unless noted")
     lines.append("=" * 140)
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """CPU smoke run of benchmarks/bench_serving_pd.py: the tiny model served unified and disaggregated through real
-Ray Serve, the short + long workload through deploy.bench, the numbers and the KV transfer accounting checked.
+Ray Serve (and driven in-process), the short + long workload through deploy.bench, the numbers and the KV
+transfer accounting checked, and the diagnosis built from the client traces and the replicas' timelines.
 
 The script starts its own local Ray instance, so it runs as a subprocess (never beside another Ray in this
 process)."""
@@ -23,14 +24,14 @@ def tiny_run(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()), proc.stdout
+    return json.loads(out.read_text()), proc.stdout, json.loads(out.with_name("result.trace.json").read_text())
 
 
-def test_both_modes_complete_every_request(tiny_run):
-    res, _ = tiny_run
+def test_every_mode_completes_every_request(tiny_run):
+    res, _, _ = tiny_run
     w = res["workload"]
     assert res["errors"] == [] and res["supervisor"]["timed_out"] is False
-    for mode in ("unified", "pd"):
+    for mode in ("unified", "pd", "inproc"):
         doc = res["modes"][mode]
         assert doc["warmup"]["failed"] == 0, doc["warmup"]
         for phase, num_long in (("decode_only", 0), ("mixed", w["num_long"])):
@@ -52,7 +53,7 @@ def test_both_modes_complete_every_request(tiny_run):
 
 
 def test_summary_ratio_is_computed_from_the_phases(tiny_run):
-    res, _ = tiny_run
+    res, _, _ = tiny_run
     for mode in ("unified", "pd"):
         doc = res["modes"][mode]
         s = doc["summary"]
@@ -69,7 +70,7 @@ def test_kv_transfers_one_per_request_with_exact_bytes(tiny_run):
     from msa.kv_cache import KVCache
     from workers.models import preset_config
 
-    res, _ = tiny_run
+    res, _, _ = tiny_run
     w = res["workload"]
     config = preset_config("tiny")
     per_page = KVCache.bytes_per_page(config, torch.float32)  # CPU engines run the tiny model in fp32
@@ -91,7 +92,7 @@ def test_kv_transfers_one_per_request_with_exact_bytes(tiny_run):
 
 
 def test_table_is_printed_last(tiny_run):
-    res, stdout = tiny_run
+    res, stdout, _ = tiny_run
     lines = stdout.strip().splitlines()
     assert lines[-1].startswith("=") and "goal (PERF.md)" in lines[-2]
     rows = {ln.split()[0]: ln for ln in lines if ln.split() and ln.split()[0] in ("unified", "pd")}
@@ -99,3 +100,40 @@ def test_table_is_printed_last(tiny_run):
     pd = res["modes"]["pd"]["summary"]
     assert f"{pd['ratio_p99_to_decode_only_p50']:.2f}x" in rows["pd"]
     assert f"{pd['kv_transfers']} / " in rows["pd"]
+
+
+def test_diagnosis_of_every_measured_phase(tiny_run):
+    res, stdout, traces = tiny_run
+    w = res["workload"]
+    for mode in ("unified", "pd", "inproc"):
+        for phase in ("decode_only", "mixed"):
+            ph = res["modes"][mode][phase]
+            assert "trace" not in ph and "trace_error" not in ph and "diagnosis_error" not in ph, ph.keys()
+            trace = traces[mode][phase]
+            assert len(trace["short"]) == w["num_short"] and all(r["id"] and r["ok"] for r in trace["short"])
+            assert all(sum(r["n"]) == w["short_output_len"] for r in trace["short"])
+            diag = ph["diagnosis"]
+            assert diag["gaps"]["first_gap_ms"]["n"] == w["num_short"]
+            assert len(diag["worst"]) == 3 and all(g["gap_ms"] > 0 for x in diag["worst"] for g in x["gaps"])
+            assert diag["steps"]["n"] > 0 and 0 <= diag["steps"]["not_forward_fraction"] <= 1
+            assert diag["serve_hops"]["step_to_client_ms"]["n"] > 0
+            # every short request's first -> second token gap split, and its pieces add up to it
+            split = diag["first_gap_split"]
+            assert split["n"] == w["num_short"]
+            for r in split["requests"]:
+                seg = r["segments_ms"]
+                parts = sum(v for k, v in seg.items() if k not in ("first_token_hop", "landed_to_activated",
+                                                                   "activated_to_step_end"))
+                assert abs(parts - seg["first_token_hop"] - r["gap_ms"]) < 0.1, r
+            if phase == "mixed":
+                assert [x["i"] for x in diag["long"]] == list(range(w["num_long"]))
+        servers = set(traces[mode]["mixed"]["server"])
+        assert servers == {"pd": {"prefill-0", "decode-0"}, "unified": {"unified-0"}, "inproc": {"inproc"}}[mode]
+    pd = res["modes"]["pd"]["mixed"]["diagnosis"]
+    assert {"transfer", "landed_to_decode_step", "decode_step_to_client"} <= set(pd["first_gap_split"]["summary"])
+    assert pd["prefill_steps"]["n"] > 0 and all("kv_landed_s" in x for x in pd["long"])
+    assert set(res["serve_vs_inproc"]) == {"unified", "pd"}
+    # the few lines per mode and phase come before the table
+    diag_at = stdout.index("where the time goes")
+    assert diag_at < stdout.index("[pd] mixed") < stdout.index("TPOT dec-only p50/p99")
+    assert "Serve path vs in-process engine" in stdout
