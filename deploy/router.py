@@ -259,6 +259,8 @@ class Router:
                 event = await _next_event(pstream, f"prefill replica {p[1]}")
                 if isinstance(event, EngineError):
                     await self._abort_on(d, tid)
+                    if p_rank is not None:  # refused before it was added (queue full): its placement is held
+                        await self._abort_on(p, tid)
                     done = True
                     yield event
                     return
