@@ -26,6 +26,7 @@ class SampleRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     suppressed_ids: list[int]  # EOS / stop ids while fewer than min_tokens exist
+    num_output_tokens: int = 0  # tokens the sequence already holds (a seeded generator made now skips their draws)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +73,7 @@ def _row(seq, eos_token_ids: Iterable[int]) -> SampleRow:
         prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if needs_prompt else [],
         output_token_ids=seq.output_token_ids if needs_output else [],
         suppressed_ids=suppressed_token_ids(p, n_out, eos_token_ids) if n_out < p.min_tokens else [],
+        num_output_tokens=n_out,
     )
 
 

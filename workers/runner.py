@@ -27,7 +27,8 @@ from msa.parallel import ParallelContext
 from workers.batch import StepBatch, logits_row_of_chunk
 from workers.config import EngineConfig
 from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step
-from workers.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator
+from workers.sampler import (Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator,
+                             skip_draws)
 
 logger = logging.getLogger("m3serve.runner")
 
@@ -193,15 +194,19 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, batch: StepBatch):
         rows = batch.rows
         params = [r.params for r in rows]
-        generators = [self._generator(r) for r in rows]
+        generators = [self._generator(r, logits.shape[-1]) for r in rows]
         sb = SamplingBatch.build(params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
                                  generators, self.device, suppressed_ids=[r.suppressed_ids for r in rows])
         return self.sampler(logits, sb), [p.logprobs for p in params]
 
-    def _generator(self, row) -> torch.Generator | None:
+    def _generator(self, row, vocab_size: int) -> torch.Generator | None:
         if row.params.seed is None:
             return None
         gen = self._generators.get(row.seq_id)
         if gen is None:
             gen = self._generators[row.seq_id] = make_generator(row.params.seed, row.sample_index, self.device)
+            # tokens the sample already holds were drawn by another engine (the prefill replica): replay their
+            # draws so the next token gets the random numbers an unbroken run would (a preempted request keeps
+            # its generator: seq ids are released only when the request ends)
+            skip_draws(gen, row.num_output_tokens, vocab_size)
         return gen

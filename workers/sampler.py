@@ -276,6 +276,18 @@ def _exponential_noise(
     return noise
 
 
+def skip_draws(gen: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Advance a seeded row's generator past `num_tokens` sampled tokens: each sampled token costs it one [V]
+    Exp(1) draw (`_exponential_noise`), so replaying the same draws leaves it where an unbroken run would be.
+    For a generator made after some tokens already exist: on the decode replica after the prefill replica
+    sampled the first."""
+    if num_tokens <= 0:
+        return
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=gen.device)
+    for _ in range(num_tokens):
+        scratch.exponential_(generator=gen)
+
+
 class Sampler:
     """Callable: `Sampler()(logits [N, V] fp32, batch) -> SamplerOutput`. Does not modify `logits`."""
 

@@ -136,6 +136,27 @@ def test_disaggregated_equals_unified(pair, tiny_ckpt):
     assert_empty(prefill, decode)
 
 
+def test_seeded_sampling_continues_on_decode(pair, tiny_ckpt):
+    """The decode replica's generator for a seeded sample replays the prefill's draw of the first token, so a
+    seeded sampled request gives what the unified engine gives, token for token."""
+    prefill, decode = pair
+    params = [SamplingParams(temperature=0.9, max_tokens=8, seed=7 + i, ignore_eos=True) for i in range(4)]
+    ps = prompts(seed=5)[:4]
+    unified = Engine(tiny_ckpt, engine_config=engine_config(), role="unified")
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        unified.add_request(f"u{i}", p, sp)
+    want = {}
+    while unified.has_unfinished():
+        want.update({o.request_id[1:]: o.outputs[0].token_ids for o in unified.step() if o.finished})
+    unified.shutdown()
+    ids = [f"s{i}" for i in range(4)]
+    for rid, p, sp in zip(ids, ps, params):
+        submit(prefill, decode, rid, p, sp)
+    st = drive(prefill, decode, lambda s: set(s["out"]) >= set(ids) and len(s["outcomes"]) == len(ids))
+    assert {rid: st["out"][rid].outputs[0].token_ids for rid in ids} == {f"s{i}": want[str(i)] for i in range(4)}
+    assert_empty(prefill, decode)
+
+
 def test_abort_before_and_after_the_transfer(pair):
     prefill, decode = pair
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
