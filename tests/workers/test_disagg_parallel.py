@@ -186,7 +186,7 @@ def _refused_from_tp2(engines: dict, groups: dict) -> dict:
            "broken": [prefill.kv_broken(d_group), decode.kv_broken(p_group)]}
     decode.admit_remote("good", prompt, sp, group=p_group)
     prefill.add_request("good", prompt, sp, handoff_to=d_group)
-    st = _drive(prefill, decode, lambda s: "good" in s["out"])
+    st = _drive(prefill, decode, lambda s: "good" in s["out"] and "good" in s["outcomes"])
     out["after"] = st["out"]["good"].outputs[0].token_ids
     out["after_outcome"] = list(st["outcomes"]["good"])
     _settle(prefill, decode)
