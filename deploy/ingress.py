@@ -29,6 +29,7 @@ from deploy.protocol import (
     EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, TopLogprob, UsageInfo, new_id, param_of,
     sse_event,
 )
+from deploy.streaming import coalesce
 from workers.request import SamplingParams
 
 logger = logging.getLogger("m3serve.ingress")
@@ -246,21 +247,30 @@ class _Stream:
             self.first = e
 
     async def chunks(self) -> AsyncIterator[EngineChunk]:
-        """The first chunk, then the rest until the request finishes; an error event raises ApiError."""
-        event = self.first
-        while True:
-            if isinstance(event, EngineError):
-                self.done = True
-                raise ApiError.from_engine(event)
-            yield event
-            if event.finished:
-                self.done = True
-                return
-            try:
-                event = await self.gen.__anext__()
-            except StopAsyncIteration:
-                self.done = True
-                return
+        """The first chunk, then the rest until the request finishes; an error event raises ApiError. The rest
+        is coalesced: what arrived while the caller was busy (writing SSE events) comes as one chunk."""
+        if self._last(self.first):
+            yield self.first
+            return
+        yield self.first
+        rest = coalesce(self.gen)
+        try:
+            async for event in rest:
+                if self._last(event):
+                    yield event
+                    return
+                yield event
+            self.done = True
+        finally:
+            await rest.aclose()
+
+    def _last(self, event: EngineChunk | EngineError) -> bool:
+        """Whether `event` ends the request (an error raises ApiError)."""
+        if isinstance(event, EngineError):
+            self.done = True
+            raise ApiError.from_engine(event)
+        self.done = event.finished
+        return event.finished
 
     def close(self) -> None:
         """Cancel the request down the chain (router -> engine abort) unless it already ended."""

@@ -33,6 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from deploy.config import ServeConfig
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest
 from deploy.server import Admitted, FirstToken, TransferOutcome
+from deploy.streaming import coalesce
 from workers.stats import EngineStats
 
 logger = logging.getLogger("m3serve.router")
@@ -111,9 +112,10 @@ class Router:
         self._inflight[key] += 1
         self._where[req.request_id] = key
         stream = self._engines[key].options(stream=True).generate.remote(req)
+        events = coalesce(stream)  # what piled up while we were busy goes on as one chunk
         done = False
         try:
-            async for event in stream:
+            async for event in events:
                 yield event
             done = True
         finally:
@@ -121,6 +123,7 @@ class Router:
             self._where.pop(req.request_id, None)
             if not done:  # we were cancelled (client gone) or failed: make sure the engine lets go too
                 stream.cancel()
+            await events.aclose()  # stops its pump
 
     async def abort(self, request_id: str) -> None:
         touched = self._touched.get(request_id)
@@ -228,6 +231,7 @@ class Router:
         busy: list[ReplicaKey] = []  # in-flight counts to give back
         streams: list = []
         first: EngineChunk | None = None
+        devents = None  # the decode stream, coalesced
         done = False
         try:
             attempts = 2 if self._retry_prefill else 1
@@ -294,7 +298,8 @@ class Router:
                                logprobs=sample.logprobs[0] if sample.logprobs else None)
             dstream = self._engines[d].options(stream=True).decode.remote(sub, token)
             streams.append(dstream)
-            async for event in dstream:
+            devents = coalesce(dstream)
+            async for event in devents:
                 if isinstance(event, EngineError) or event.finished:
                     done = True
                 yield event
@@ -307,6 +312,8 @@ class Router:
                 for s in streams:
                     s.cancel()
                 await asyncio.gather(*(self._abort_on(k, eid) for k, eid in touched), return_exceptions=True)
+            if devents is not None:
+                await devents.aclose()  # stops its pump
 
     async def _place(self, p: ReplicaKey, tid: str) -> int | None | EngineError:
         """The dp rank of prefill replica `p` that will run `tid` (None without attention DP): the decode side

@@ -106,7 +106,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = _newest(stream.queue, await stream.queue.get())
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
@@ -388,6 +388,20 @@ class AsyncEngine:
         for stream, why in failed_streams:
             stream.put(KVTransferFailed(why))
         return window is not None and bool(step_stats)
+
+
+def _newest(queue: asyncio.Queue, item: RequestOutput | BaseException) -> RequestOutput | BaseException:
+    """`item`, or the newest output queued behind it. Outputs are cumulative (all tokens, text and logprobs so
+    far), so a consumer that fell behind needs only the latest: it moves several tokens at once instead of
+    working through every step's output (each then costing it a Serve item, an SSE event...). An error queued
+    behind outputs stays queued: the consumer gets the newest output first, then the error."""
+    while isinstance(item, RequestOutput) and not item.finished and not queue.empty():
+        nxt = queue.get_nowait()
+        if isinstance(nxt, BaseException):
+            queue.put_nowait(nxt)  # nothing follows an error, so it stays last
+            break
+        item = nxt
+    return item
 
 
 def _mark_sources(engine: Engine) -> list[deque]:

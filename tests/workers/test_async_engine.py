@@ -75,8 +75,54 @@ def test_concurrent_streams_yield_each_token_and_match_the_sync_engine(make_asyn
     streams = asyncio.run(main())
     for seen, w in zip(streams, want):
         assert seen[-1] == w
-        assert [len(s) for s in seen] == list(range(1, 7))  # one output per token, cumulative
+        # cumulative, one output per step the consumer kept up with (a lagging one gets the newest only)
+        lens = [len(s) for s in seen]
+        assert lens == sorted(set(lens)) and lens[-1] == 6 and all(s == w[:len(s)] for s in seen)
     assert [s.finished_reason for s in ae.pop_request_stats()].count("length") == 3
+
+
+def test_a_lagging_consumer_gets_the_newest_output_only(make_async, make_llm):
+    """Outputs are cumulative: one that is already superseded in the queue is skipped, so a consumer that fell
+    behind moves several tokens at once; the tokens, text and logprobs it ends with are the same."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    want = make_llm(num_pages=64).generate([{"prompt_token_ids": ids(12)}], params)[0].outputs[0]
+    ae = make_async(num_pages=64)
+
+    async def main():
+        seen = []
+        async for out in ae.generate("lag", ids(12), params):
+            seen.append(out)
+            if len(seen) == 1:  # stop reading until the engine is done: every later output is queued by then
+                await await_until(lambda: not ae.engine.has_unfinished())
+        return seen
+
+    seen = asyncio.run(main())
+    assert len(seen) == 2 and len(seen[0].outputs[0].token_ids) == 1 and seen[1].finished
+    last = seen[1].outputs[0]
+    assert (last.token_ids, last.text, last.finish_reason) == (want.token_ids, want.text, "length")
+    assert len(last.logprobs) == 8 and all(a.keys() == b.keys() for a, b in zip(last.logprobs, want.logprobs))
+
+
+def test_newest_keeps_an_error_queued_behind_outputs():
+    from workers.async_engine import _newest
+    from workers.request import CompletionOutput, RequestOutput
+
+    def out(n: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1],
+                             outputs=[CompletionOutput(index=0, token_ids=list(range(n)))], finished=finished)
+
+    async def main():
+        q: asyncio.Queue = asyncio.Queue()
+        for item in (out(2), out(3), RuntimeError("gone")):
+            q.put_nowait(item)
+        first = _newest(q, out(1))
+        assert len(first.outputs[0].token_ids) == 3  # the newest output first
+        assert isinstance(_newest(q, q.get_nowait()), RuntimeError) and q.empty()  # then the error
+        done = out(4, finished=True)  # a finished output is the stream's last: nothing is skipped for it
+        q.put_nowait(out(5))
+        assert _newest(q, done) is done and q.qsize() == 1
+
+    asyncio.run(main())
 
 
 def test_early_exit_mid_decode_and_mid_prefill_frees_pages(make_async):

@@ -1,0 +1,329 @@
+"""Per-token cost of the Serve streaming path, on CPU, at GPU-like token rates.
+
+The engine's forward is replaced by `PacedExecutor`: each step sleeps `--step-ms` (the GPU's forward: the GIL is
+released, no CPU used) and picks token ids by a fixed rule; everything else is real (scheduler, detokenizer,
+AsyncEngine, EngineServer, Router, Ingress, Serve's HTTP proxy, SSE, the benchmark client of
+bench_serving_pd.py). So 16 streams at 5 ms steps push ~3k tokens/s through the path, as the H200 does, and
+what the Serve path costs per token shows up here on two CPU cores.
+
+Per mode (serve: HTTP -> Ingress -> Router -> EngineServer; inproc: the same engine driven by AsyncEngine in
+this process, bench_serving_pd's in-process client) it reports the client's TPOT/ITL and tokens per chunk, the
+engine's step p50, and per process the CPU it burnt during the measured run: ms of CPU per 1k output tokens and
+% of one core (a process near 100% is the stage that saturates on a machine with a core per process).
+`--py-spy SECONDS` also samples every Serve process (py-spy record, raw folded stacks) during the measured
+run and prints each one's top frames.
+
+  python benchmarks/bench_serve_stream.py                       # 16 streams x 64 tokens, 5 ms steps
+  python benchmarks/bench_serve_stream.py --concurrency 32 --step-ms 3 --py-spy 4
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serving_pd as pd  # noqa: E402  (sets Ray's loopback/no-usage env before ray is imported)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+APP = "stream_bench"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class PacedExecutor:
+    """An executor without a model: a step sleeps `step_s` (a GPU forward's wall time, no CPU) and samples
+    token id 3 + (seq_id * 7 + tokens so far) % (vocab - 3), with a one-entry logprob dict when asked."""
+
+    def __init__(self, *, page_size: int, num_pages: int, vocab_size: int, step_s: float) -> None:
+        self.page_size, self.num_pages, self.vocab, self.step_s = page_size, num_pages, vocab_size, step_s
+
+    def info(self) -> dict:
+        return {"num_pages": self.num_pages, "page_size": self.page_size, "dtype": "float32", "device": "cpu",
+                "kv_bytes": 0, "rank": 0, "tp_rank": 0, "dp_rank": 0, "ep_rank": 0, "cuda_graph_sizes": [],
+                "cuda_graph_capture_s": None}
+
+    def execute(self, batch):
+        from workers.runner import StepResult
+
+        if batch.chunks:
+            time.sleep(self.step_s)
+        tokens = [3 + (r.seq_id * 7 + r.num_output_tokens) % (self.vocab - 3) for r in batch.rows]
+        lps = [None if r.params.logprobs is None else {t: -1.0} for r, t in zip(batch.rows, tokens)]
+        return StepResult(token_ids=tokens, logprobs=lps, forward_time=self.step_s if batch.chunks else 0.0,
+                          sample_time=0.0, prompt_logprobs=[[] for _ in batch.prompt_logprob_chunks])
+
+    def shutdown(self) -> None:
+        pass
+
+
+def paced_engine(model_dir: str, engine_config, step_s: float):
+    from msa.config import load_config
+    from workers.engine import Engine
+
+    cfg = load_config(model_dir)
+    executor = PacedExecutor(page_size=cfg.index_block_size, num_pages=engine_config.num_pages or 4096,
+                             vocab_size=cfg.vocab_size, step_s=step_s)
+    return Engine(model_dir, engine_config=engine_config, device="cpu", executor=executor)
+
+
+def serve_config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": None, "device": "cpu",
+            "engine": {"max_model_len": 1024, "max_num_seqs": max(64, 2 * args.concurrency),
+                       "max_num_batched_tokens": 2048, "max_waiting": 256, "num_pages": 4096},
+            "unified": {"num_cpus_per_shard": 0.5}}
+
+
+def build_paced_app(args: argparse.Namespace):
+    """Ingress -> Router -> one EngineServer whose engine runs on `PacedExecutor` (the app of deploy/app.py with
+    the model swapped out)."""
+    from ray import serve
+
+    from deploy.app import config_from_args, engine_options
+    from deploy.ingress import Ingress, model_name_for
+    from deploy.router import Router
+    from deploy.server import EngineServer, resolve_model_dir
+
+    step_s = args.step_ms / 1e3
+
+    class PacedServer(EngineServer.func_or_class):
+        def _load(self) -> None:
+            try:
+                from workers.async_engine import AsyncEngine
+
+                self._engine = AsyncEngine(paced_engine(self._model_dir, self._config.engine, step_s))
+                self._start_metrics()
+                self._state, self._load_seconds = "ready", time.monotonic() - self._load_started
+            except Exception as e:
+                self._state, self._error = "failed", f"{type(e).__name__}: {e}"
+
+    config = config_from_args({"config": serve_config(args)})
+    model_dir = str(resolve_model_dir(config))
+    name = model_name_for(config, model_dir)
+    engine = serve.deployment(PacedServer).options(**engine_options(config, "unified", 0)).bind(
+        config, model_dir, "unified", 0, name)
+    router = Router.options(ray_actor_options={"num_cpus": 0.1}).bind({"unified": [engine]}, config)
+    return Ingress.options(ray_actor_options={"num_cpus": 0.1}).bind(router, config, model_dir, name), model_dir
+
+
+# -- CPU accounting -----------------------------------------------------------------------------------------------
+def serve_processes() -> dict[str, int]:
+    """pid of each Serve process of the app and of this Ray instance's HTTP proxy (by process title; other Ray
+    instances on the host, e.g. a test run, are not descendants of this process)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            title = (d / "cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if title.startswith(f"ray::ServeReplica:{APP}:"):
+            out[title.split(":")[-1].split()[0]] = int(d.name)
+        elif title.startswith("ray::ProxyActor") and _descends_from(int(d.name), os.getpid()):
+            out["ProxyActor"] = int(d.name)
+    return out
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU of a process so far (all threads)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_snapshot(pids: dict[str, int]) -> dict[str, float]:
+    snap = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t = os.times()
+    snap["client"] = t.user + t.system
+    return snap
+
+
+def cpu_report(before: dict, after: dict, seconds: float, tokens: int) -> dict[str, dict]:
+    return {name: {"ms_per_1k_tokens": round(1e6 * (after[name] - before[name]) / max(1, tokens), 1),
+                   "core_pct": round(100 * (after[name] - before[name]) / seconds, 1)}
+            for name in before}
+
+
+# -- py-spy -------------------------------------------------------------------------------------------------------
+def start_py_spy(pids: dict[str, int], seconds: float, out_dir: str) -> list[tuple[str, subprocess.Popen, str]]:
+    exe = Path(sys.executable).with_name("py-spy")
+    procs = []
+    for name, pid in pids.items():
+        path = os.path.join(out_dir, f"{name}.folded")
+        cmd = [str(exe), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "200",
+               "--format", "raw", "--nonblocking", "--threads", "-o", path]
+        procs.append((name, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+    return procs
+
+
+def top_frames(path: str, n: int = 12) -> list[tuple[str, float]]:
+    """Share of samples whose stack passes through each (file:function) frame, idle waits excluded."""
+    counts: collections.Counter = collections.Counter()
+    total = 0
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        stack, _, num = line.rpartition(" ")
+        k = int(num)
+        frames = stack.split(";")
+        if any(w in frames[-1] for w in ("select", "epoll", "wait (threading", "_wait_for_tstate_lock",
+                                         "sleep", "poll (")):
+            continue  # blocked, not burning CPU
+        total += k
+        for f in set(frames[1:]):
+            counts[f.split(" (")[0] + " (" + f.rsplit("/", 1)[-1] if "/" in f else f] += k
+    return [(f, c / total) for f, c in counts.most_common(n)] if total else []
+
+
+# -- the runs -----------------------------------------------------------------------------------------------------
+def client_summary(run) -> dict[str, Any]:
+    from deploy.bench import summarize
+
+    s = summarize(run.short, run.duration, percentiles=[50.0, 90.0, 99.0])
+    chunks = sum(len(r.chunk_times) for r in run.short)
+    return {"tpot_p50_ms": round(s["median_tpot_ms"], 2), "tpot_p90_ms": round(s["p90_tpot_ms"], 2),
+            "itl_p50_ms": round(s["median_itl_ms"], 2), "ttft_p50_ms": round(s["median_ttft_ms"], 2),
+            "tokens": s["total_output_tokens"], "failed": s["failed"],
+            "tokens_per_chunk": round(s["total_output_tokens"] / max(1, chunks), 2),
+            "tok_per_s": round(s["output_throughput"]), "duration_s": round(run.duration, 2)}
+
+
+def step_p50(timeline: dict) -> float | None:
+    steps = sorted(s[1] - s[0] for s in timeline.get("steps", []) if s[3] > 0 and s[2] == 0)
+    return round(1e3 * steps[len(steps) // 2], 2) if steps else None
+
+
+def measure(args, drive, timelines, pids: dict[str, int] | None) -> dict[str, Any]:
+    from deploy.bench import make_requests
+
+    warm = make_requests(num_prompts=args.concurrency, input_len=args.input_len, output_len=8, seed=1)
+    asyncio.run(drive(warm, [], [], 60.0))
+    reqs = make_requests(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                         seed=2)
+    spies = []
+    if pids and args.py_spy:
+        spies = start_py_spy(pids, args.py_spy, args.spy_dir)
+        time.sleep(0.5)  # py-spy attaches
+    before, wall0, t0 = cpu_snapshot(pids or {}), time.time(), time.perf_counter()
+    run = asyncio.run(drive(reqs, [], [], 120.0))
+    seconds = time.perf_counter() - t0
+    out = client_summary(run)
+    out["cpu"] = cpu_report(before, cpu_snapshot(pids or {}), seconds, out["tokens"])
+    out["engine_step_p50_ms"] = step_p50(next(iter(timelines(wall0).values())))
+    for name, proc, path in spies:
+        proc.wait()
+        out.setdefault("py_spy", {})[name] = [(f, round(share, 3)) for f, share in top_frames(path)]
+    return out
+
+
+def run_serve(args) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    # Serve reads its knobs when a process imports it: set here (after this driver imported it with the
+    # defaults, which its synchronous handle calls need), they reach only the Ray processes started below.
+    for item in args.serve_env:
+        key, _, value = item.partition("=")
+        os.environ[key] = value
+    ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    try:
+        port = pd.free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
+        app, _ = build_paced_app(args)
+        serve.run(app, name=APP, route_prefix="/", logging_config={"enable_access_log": False})
+        router = serve.get_deployment_handle("Router", app_name=APP)
+        state = pd.wait_ready(router, 120)
+        if not state["ready"]:
+            raise RuntimeError(f"not ready: {state}")
+        server = serve.get_deployment_handle("EngineServer-unified-0", app_name=APP)
+        timelines = lambda since: {"unified": server.debug_timeline.remote(since).result(timeout_s=30)}  # noqa
+        return measure(args, pd.http_driver(f"http://127.0.0.1:{port}", args.concurrency), timelines,
+                       serve_processes())
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def run_inproc(args) -> dict[str, Any]:
+    from deploy.app import config_from_args
+    from deploy.server import resolve_model_dir
+    from workers.async_engine import AsyncEngine
+
+    config = config_from_args({"config": serve_config(args)})
+    engine = AsyncEngine(paced_engine(str(resolve_model_dir(config)), config.engine, args.step_ms / 1e3))
+    try:
+        return measure(args, pd.inproc_driver(engine, args.concurrency),
+                       lambda since: {"inproc": engine.debug_timeline(since)}, None)
+    finally:
+        engine.shutdown()
+
+
+def format_result(args, res: dict) -> str:
+    lines = [f"{args.concurrency} streams x {args.output_len} tokens ({args.num_prompts} requests), "
+             f"{args.step_ms} ms paced steps"]
+    for mode, r in res.items():
+        lines.append(f"[{mode}] TPOT p50/p90 {r['tpot_p50_ms']}/{r['tpot_p90_ms']} ms, ITL p50 {r['itl_p50_ms']}, "
+                     f"TTFT p50 {r['ttft_p50_ms']}, step p50 {r['engine_step_p50_ms']} ms, "
+                     f"{r['tok_per_s']} tok/s, {r['tokens_per_chunk']} tok/chunk, failed {r['failed']}")
+        lines.append("    CPU ms per 1k tokens (% of a core): " + ", ".join(
+            f"{n} {c['ms_per_1k_tokens']} ({c['core_pct']}%)" for n, c in r["cpu"].items()))
+        for name, frames in r.get("py_spy", {}).items():
+            lines.append(f"    py-spy {name}: " + "; ".join(f"{f} {100 * s:.0f}%" for f, s in frames[:8]))
+    if "serve" in res and "inproc" in res:
+        a, b = res["serve"]["tpot_p50_ms"], res["inproc"]["tpot_p50_ms"]
+        lines.append(f"Serve vs inproc TPOT p50: {a} vs {b} ms ({100 * (a / b - 1):+.0f}%)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default="serve,inproc")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--step-ms", type=float, default=5.0)
+    p.add_argument("--py-spy", type=float, default=0.0, help="seconds of py-spy sampling of each Serve process")
+    p.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="environment of the Ray processes only (Serve knobs, e.g. "
+                        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
+    p.add_argument("--out", default=None, help="result JSON")
+    args = p.parse_args(argv)
+    args.spy_dir = tempfile.mkdtemp(prefix="bench_serve_stream.")
+    res = {}
+    for mode in args.modes.split(","):
+        res[mode] = run_serve(args) if mode == "serve" else run_inproc(args)
+    print(format_result(args, res), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "modes": res}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Token streams between deployments: merge the chunks a lagging consumer missed into one.
+
+Every hop of a stream (EngineServer -> Router -> Ingress -> Serve's HTTP proxy -> client) costs CPU per item, not
+per token: a Ray streaming-generator item, a cross-thread hand-off, an SSE event. At one item per token, 16
+streams of an H200 decode (~3k tokens/s) saturate a hop, and then every token waits in that hop's queue.
+`EngineChunk`s are deltas that concatenate, so whatever piled up while a consumer was busy can travel as one
+chunk (as vLLM's output collector merges the outputs a slow API handler did not pick up yet): a consumer that keeps
+up still gets one chunk per step, a lagging one gets fewer, larger chunks with the same tokens, text and logprobs.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from deploy.protocol import EngineChunk, SampleDelta
+
+
+def merge_chunks(chunks: list[EngineChunk]) -> EngineChunk:
+    """One chunk carrying what `chunks` (consecutive deltas of one request, in order) carry together."""
+    if len(chunks) == 1:
+        return chunks[0]
+    samples: dict[int, SampleDelta] = {}
+    for chunk in chunks:
+        for s in chunk.samples:
+            into = samples.get(s.index)
+            if into is None:  # a copy: the chunks may be referenced elsewhere (the first is kept by the ingress)
+                samples[s.index] = SampleDelta(index=s.index, token_ids=list(s.token_ids), text=s.text,
+                                               logprobs=None if s.logprobs is None else list(s.logprobs),
+                                               finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+            else:
+                _append(into, s)
+    first = chunks[0]
+    prompt = next((c for c in chunks if c.prompt_token_ids is not None), None)
+    return EngineChunk(request_id=first.request_id, samples=list(samples.values()),
+                       finished=chunks[-1].finished,
+                       prompt_token_ids=None if prompt is None else prompt.prompt_token_ids,
+                       prompt_logprobs=None if prompt is None else prompt.prompt_logprobs)
+
+
+def _append(into: SampleDelta, s: SampleDelta) -> None:
+    into.token_ids.extend(s.token_ids)
+    into.text += s.text
+    if s.logprobs is not None:
+        into.logprobs = (into.logprobs or []) + list(s.logprobs)
+    if s.finish_reason is not None:  # a sample finishes once, in its last delta
+        into.finish_reason, into.stop_reason = s.finish_reason, s.stop_reason
+
+
+def merge_runs(events: Iterable[Any]) -> list[Any]:
+    """`events` with every run of consecutive `EngineChunk`s merged; anything else (an error, a transfer outcome)
+    stays where it is, so nothing moves past it."""
+    out: list[Any] = []
+    run: list[EngineChunk] = []
+    for e in events:
+        if isinstance(e, EngineChunk):
+            run.append(e)
+            continue
+        if run:
+            out.append(merge_chunks(run))
+            run = []
+        out.append(e)
+    if run:
+        out.append(merge_chunks(run))
+    return out
+
+
+async def coalesce(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The events of `events`, read as fast as they arrive (a pump task) and handed on as the consumer asks: all
+    that arrived since its previous ask, chunks merged (`merge_runs`). A consumer that keeps up sees every event
+    as it came. Closing this generator early stops the pump (the caller cancels the source stream itself)."""
+    buf: deque = deque()
+    wake = asyncio.Event()
+    end: list[BaseException | None] = []  # set once the source ended: [None] or [its error]
+
+    async def pump() -> None:
+        try:
+            async for event in events:
+                buf.append(event)
+                wake.set()
+            end.append(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's side, after what came before it
+            end.append(e)
+        finally:
+            wake.set()
+
+    task = asyncio.ensure_future(pump())
+    try:
+        while True:
+            if buf:
+                batch = list(buf)
+                buf.clear()
+                for event in merge_runs(batch):
+                    yield event
+                continue
+            if end:
+                if end[0] is not None:
+                    raise end[0]
+                return
+            wake.clear()
+            await wake.wait()
+    finally:
+        if not task.done():
+            task.cancel()

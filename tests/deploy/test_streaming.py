@@ -1,0 +1,124 @@
+"""deploy/streaming.py: a lagging consumer of a token stream gets fewer, larger chunks that carry exactly what the
+single chunks carried (tokens, text, logprobs, finish reasons, the prompt); errors keep their place. No Ray, no
+timing: the lag is made by yielding to the event loop a fixed number of times."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from deploy.protocol import EngineChunk, EngineError, SampleDelta
+from deploy.streaming import coalesce, merge_chunks, merge_runs
+
+
+def chunk(step: int, *, n: int = 2, finish_at: int | None = None, logprobs: bool = True) -> EngineChunk:
+    """Step `step`'s delta of a request with `n` samples; sample i finishes at step `finish_at` + i."""
+    samples = []
+    for i in range(n):
+        if finish_at is not None and step > finish_at + i:
+            continue  # finished earlier: no more deltas for it
+        done = finish_at is not None and step == finish_at + i
+        samples.append(SampleDelta(index=i, token_ids=[100 * i + step], text=f"<{i}.{step}>",
+                                   logprobs=[{100 * i + step: -0.5 * step}] if logprobs else None,
+                                   finish_reason="stop" if done else None, stop_reason=2 if done else None))
+    last = finish_at is not None and step >= finish_at + n - 1
+    return EngineChunk(request_id="r", samples=samples, finished=last,
+                       prompt_token_ids=[1, 2, 3] if step == 0 else None,
+                       prompt_logprobs=[None, {2: -1.0}, {3: -2.0}] if step == 0 else None)
+
+
+def flatten(chunks: list[EngineChunk]) -> dict[int, dict]:
+    """Per sample: everything the chunks carry, concatenated, as a client accumulates it."""
+    out: dict[int, dict] = {}
+    for c in chunks:
+        for s in c.samples:
+            acc = out.setdefault(s.index, {"ids": [], "text": "", "lp": [], "finish": None, "stop": None})
+            acc["ids"] += s.token_ids
+            acc["text"] += s.text
+            acc["lp"] += s.logprobs or []
+            if s.finish_reason is not None:
+                acc["finish"], acc["stop"] = s.finish_reason, s.stop_reason
+    return out
+
+
+def test_merge_concatenates_every_sample_and_keeps_the_prompt():
+    chunks = [chunk(s, finish_at=4) for s in range(6)]
+    merged = merge_chunks(chunks)
+    assert flatten([merged]) == flatten(chunks)
+    assert merged.finished and merged.prompt_token_ids == [1, 2, 3] and merged.prompt_logprobs[2] == {3: -2.0}
+    assert [s.index for s in merged.samples] == [0, 1]
+    assert chunks[0].samples[0].token_ids == [0]  # the inputs are left as they were (the ingress keeps the first)
+    later = merge_chunks(chunks[2:4])
+    assert later.prompt_token_ids is None and not later.finished and later.samples[0].token_ids == [2, 3]
+
+
+def test_merge_runs_never_moves_a_chunk_past_an_error():
+    err = EngineError(status=503, message="gone")
+    out = merge_runs([chunk(0), chunk(1), err, chunk(2)])
+    assert [type(e) for e in out] == [EngineChunk, EngineError, EngineChunk]
+    assert out[0].samples[0].token_ids == [0, 1] and out[2].samples[0].token_ids == [2]
+
+
+async def produce(chunks: list, *, error: BaseException | None = None, closed: list | None = None):
+    """A source that hands over one event per event-loop turn, like a stream fed by another process."""
+    try:
+        for c in chunks:
+            await asyncio.sleep(0)
+            yield c
+        if error is not None:
+            raise error
+    finally:
+        if closed is not None:
+            closed.append(True)
+
+
+async def consume(events, lag_turns: int) -> list:
+    """Read everything, giving the loop `lag_turns` turns after each event (the consumer's own work)."""
+    got = []
+    async for e in events:
+        got.append(e)
+        for _ in range(lag_turns):
+            await asyncio.sleep(0)
+    return got
+
+
+@pytest.mark.parametrize("logprobs", [True, False])
+def test_a_slow_consumer_gets_fewer_larger_chunks_with_the_same_content(logprobs):
+    chunks = [chunk(s, finish_at=30, logprobs=logprobs) for s in range(32)]
+    fast = asyncio.run(consume(coalesce(produce(chunks)), lag_turns=0))
+    slow = asyncio.run(consume(coalesce(produce(chunks)), lag_turns=5))
+    assert len(fast) == len(chunks)  # keeping up: one chunk per step, as produced
+    assert 1 < len(slow) < len(chunks) // 3  # lagging: several steps per chunk
+    assert flatten(slow) == flatten(fast) == flatten(chunks)
+    assert slow[0].prompt_token_ids == [1, 2, 3] and slow[-1].finished and not any(c.finished for c in slow[:-1])
+
+
+def test_a_source_error_arrives_after_what_came_before_it():
+    chunks = [chunk(s) for s in range(10)]
+
+    async def main():
+        got = []
+        with pytest.raises(RuntimeError, match="replica died"):
+            async for e in coalesce(produce(chunks, error=RuntimeError("replica died"))):
+                got.append(e)
+                for _ in range(3):
+                    await asyncio.sleep(0)
+        return got
+
+    got = asyncio.run(main())
+    assert flatten(got) == flatten(chunks)
+
+
+def test_closing_early_stops_reading_the_source():
+    closed: list = []
+
+    async def main():
+        events = coalesce(produce([chunk(s) for s in range(1000)], closed=closed))
+        first = await events.__anext__()
+        await events.aclose()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return first
+
+    assert asyncio.run(main()).samples[0].token_ids == [0]
+    assert closed == [True]
