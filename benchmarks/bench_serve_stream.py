@@ -90,6 +90,7 @@ def build_paced_app(args: argparse.Namespace):
     from deploy.ingress import Ingress, model_name_for
     from deploy.router import Router
     from deploy.server import EngineServer, resolve_model_dir
+    from deploy.streaming import replica_actor_options
 
     step_s = args.step_ms / 1e3
 
@@ -104,13 +105,18 @@ def build_paced_app(args: argparse.Namespace):
             except Exception as e:
                 self._state, self._error = "failed", f"{type(e).__name__}: {e}"
 
+    def actor(options: dict) -> dict:  # deploy/streaming.py's replica knobs, unless --serve-threads default
+        return options if args.serve_threads == "default" else replica_actor_options(**options)
+
     config = config_from_args({"config": serve_config(args)})
     model_dir = str(resolve_model_dir(config))
     name = model_name_for(config, model_dir)
-    engine = serve.deployment(PacedServer).options(**engine_options(config, "unified", 0)).bind(
-        config, model_dir, "unified", 0, name)
-    router = Router.options(ray_actor_options={"num_cpus": 0.1}).bind({"unified": [engine]}, config)
-    return Ingress.options(ray_actor_options={"num_cpus": 0.1}).bind(router, config, model_dir, name), model_dir
+    engine_opts = engine_options(config, "unified", 0)
+    engine_opts["ray_actor_options"] = actor(engine_opts["ray_actor_options"])
+    engine = serve.deployment(PacedServer).options(**engine_opts).bind(config, model_dir, "unified", 0, name)
+    router = Router.options(ray_actor_options=actor({"num_cpus": 0.1})).bind({"unified": [engine]}, config)
+    ingress = Ingress.options(ray_actor_options=actor({"num_cpus": 0.1}))
+    return ingress.bind(router, config, model_dir, name), model_dir
 
 
 # -- CPU accounting -----------------------------------------------------------------------------------------------
@@ -313,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="environment of the Ray processes only (Serve knobs, e.g. "
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
+    p.add_argument("--serve-threads", choices=("app", "default"), default="app",
+                   help="app: the replicas run user code on Serve's loop (deploy/streaming.REPLICA_ENV_VARS); "
+                        "default: Serve's default (user code on a thread of its own)")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args(argv)
     args.spy_dir = tempfile.mkdtemp(prefix="bench_serve_stream.")
