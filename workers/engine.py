@@ -137,6 +137,14 @@ class _Remote:
     failure: str | None = None
 
 
+def role_engine_config(config: EngineConfig, role: str) -> EngineConfig:
+    """What a role's shards run with: a prefill engine never runs a decode step (it hands every request off
+    after its first token), so it captures no decode CUDA graphs (startup time and graph memory saved)."""
+    if role == "prefill" and not config.enforce_eager:
+        return dataclasses.replace(config, enforce_eager=True)
+    return config
+
+
 class Engine:
     def __new__(cls, *args, parallel: ParallelConfig = ParallelConfig(), **kwargs):
         # dp > 1 (attention data parallel): one engine core per dp rank over one worker group (workers/group.py)
@@ -155,7 +163,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         # The engine never schedules past what the model's positions cover.
         max_len = min(engine_config.max_model_len, self.model_config.max_position_embeddings)
-        self.engine_config = dataclasses.replace(engine_config, max_model_len=max_len)
+        self.engine_config = dataclasses.replace(role_engine_config(engine_config, role), max_model_len=max_len)
         self.executor = make_executor(executor, model_dir, engine_config=self.engine_config, parallel=parallel,
                                       device=device)
         info = self.executor.info()

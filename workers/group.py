@@ -36,7 +36,7 @@ import ray
 
 from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig
-from workers.engine import Engine
+from workers.engine import Engine, role_engine_config
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
@@ -605,8 +605,8 @@ class DPEngine(Engine):
         self.model_dir = Path(model_dir)
         self.role = role
         self.parallel = parallel
-        self.group = WorkerGroup(model_dir, engine_config=engine_config, parallel=parallel, device=device,
-                                 options=options)
+        self.group = WorkerGroup(model_dir, engine_config=role_engine_config(engine_config, role),
+                                 parallel=parallel, device=device, options=options)
         self.executor = self.group
         self._slots = [_Slot() for _ in range(parallel.dp)]
         self._pool = ThreadPoolExecutor(max_workers=parallel.dp, thread_name_prefix="dp-core")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers.config import EngineConfig
-from workers.engine import Engine
+from workers.engine import Engine, role_engine_config
 from workers.request import SamplingParams
 from workers.transfer import TransferConfig
 
@@ -134,6 +134,13 @@ def test_disaggregated_equals_unified(pair, tiny_ckpt):
     assert roles == {"prefill", "decode"}
     unified.shutdown()
     assert_empty(prefill, decode)
+
+
+def test_prefill_engines_capture_no_decode_graphs(pair):
+    """A prefill engine never runs a decode step: its shards run eager (no graph capture at startup)."""
+    prefill, decode = pair
+    assert prefill.engine_config.enforce_eager and not decode.engine_config.enforce_eager
+    assert role_engine_config(decode.engine_config, "prefill").enforce_eager
 
 
 def test_seeded_sampling_continues_on_decode(pair, tiny_ckpt):
