@@ -26,8 +26,8 @@ from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatDelta, ChatLogprobEntry, ChatLogprobs, ChatResponseMessage, CompletionChoice,
     CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, EngineChunk, EngineError,
-    EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, TopLogprob, UsageInfo, new_id, param_of,
-    sse_event,
+    EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect, TopLogprob, UsageInfo, new_id,
+    param_of, sse_event,
 )
 from deploy.streaming import coalesce
 from workers.request import SamplingParams
@@ -229,17 +229,73 @@ def _not_ready_message(state: dict) -> str:
     return f"not ready: {len(loading)} engine replica(s) still loading"
 
 
-class _Stream:
-    """One engine request's event stream through the router, with its first event already received."""
+class _Engines:
+    """The engine replicas a `Redirect` names (one handle per deployment, made on first use), and the calls a
+    direct stream owes when it ends: the router's `release`, an abort on the replica if it was cut short. Those
+    run in the background: the client's response does not wait for them."""
 
-    def __init__(self, gen: Any) -> None:
-        self.gen = gen
+    def __init__(self, router: DeploymentHandle) -> None:
+        self._router = router
+        self._handles: dict[tuple[str, str], DeploymentHandle] = {}
+        self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
+
+    def open(self, r: Redirect) -> Any:
+        """The engine replica's stream the redirect names."""
+        return getattr(self._handle(r).options(stream=True), r.method).remote(*r.args)
+
+    def release(self, r: Redirect) -> None:
+        self._background(self._router.release.remote(r.release_id), "release")
+
+    def abort(self, r: Redirect) -> None:
+        self._background(self._handle(r).abort.remote(r.request_id), "abort")
+
+    def _handle(self, r: Redirect) -> DeploymentHandle:
+        key = (r.app_name, r.deployment)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = serve.get_deployment_handle(r.deployment, app_name=r.app_name)
+        return handle
+
+    def _background(self, response: Any, what: str) -> None:
+        async def wait() -> None:
+            try:
+                await response
+            except Exception as e:  # the replica is gone: nothing left to release or abort there
+                logger.warning("%s after a direct stream failed: %r", what, e)
+
+        task = asyncio.ensure_future(wait())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+class _Stream:
+    """One engine request's event stream, with its first event already received: from the router, and after a
+    `Redirect` straight from the engine replica it names (`engines`)."""
+
+    def __init__(self, gen: Any, engines: _Engines | None = None) -> None:
+        self.gen = gen  # the router's stream
+        self.engines = engines
+        self.redirect: Redirect | None = None
+        self.engine_gen: Any = None  # the engine replica's stream, once redirected
         self.first: EngineChunk | EngineError | BaseException | None = None
         self.done = False
+        self._released = False
+        self._events = self._follow()
+
+    async def _follow(self) -> AsyncIterator[EngineChunk | EngineError]:
+        """The router's events; after a `Redirect`, those of the engine replica's stream it names."""
+        async for event in self.gen:
+            if isinstance(event, Redirect):
+                self.redirect = event
+                self.engine_gen = self.engines.open(event)
+                async for e in self.engine_gen:
+                    yield e
+                return
+            yield event
 
     async def receive_first(self) -> None:
         try:
-            self.first = await self.gen.__anext__()
+            self.first = await self._events.__anext__()
         except StopAsyncIteration:
             self.first = EngineError(status=500, message="the engine ended the request without output",
                                      code="internal_error")
@@ -253,7 +309,7 @@ class _Stream:
             yield self.first
             return
         yield self.first
-        rest = coalesce(self.gen)
+        rest = coalesce(self._events)
         try:
             async for event in rest:
                 if self._last(event):
@@ -273,10 +329,17 @@ class _Stream:
         return event.finished
 
     def close(self) -> None:
-        """Cancel the request down the chain (router -> engine abort) unless it already ended."""
+        """Cancel the request down the chain (router -> engine abort) unless it already ended; a direct stream
+        also aborts on its replica (in case its call never started there) and is released at the router."""
         if not self.done:
             self.done = True
             self.gen.cancel()
+            if self.engine_gen is not None:
+                self.engine_gen.cancel()
+                self.engines.abort(self.redirect)
+        if self.redirect is not None and not self._released:
+            self._released = True
+            self.engines.release(self.redirect)
 
 
 def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
@@ -344,6 +407,24 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield SSE_DONE
 
 
+class _SSEResponse(StreamingResponse):
+    """An SSE response that closes its streams however it ends: a client gone before the body started leaves the
+    body generator unstarted (its own cleanup never runs), and each stream still owes its engine an abort and the
+    router a release."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[_Stream]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
 TINY_MODEL_NAME = "m3-tiny"
 
 
@@ -365,6 +446,7 @@ def model_name_for(config: ServeConfig, model_dir: str | Path) -> str:
 class Ingress:
     def __init__(self, router: DeploymentHandle, config: ServeConfig, model_dir: str, model_name: str) -> None:
         self._router = router
+        self._engines = _Engines(router)  # direct streams from the engine replicas (see _Stream)
         self._config = config
         self._model_dir = model_dir
         self._model_name = model_name
@@ -494,7 +576,7 @@ class Ingress:
         prep = self._prepare_completion(body, model)
         streams = await self._start(prep)
         if prep.stream:
-            return self._sse(self._completion_events(prep, streams))
+            return self._sse(self._completion_events(prep, streams), streams)
         choices = await self._collect(prep, streams)
         return JSONResponse(self._completion_response(prep, choices, streams).model_dump(mode="json"))
 
@@ -506,7 +588,7 @@ class Ingress:
         prep = self._prepare_chat(body, model)
         streams = await self._start(prep)
         if prep.stream:
-            return self._sse(self._chat_events(prep, streams))
+            return self._sse(self._chat_events(prep, streams), streams)
         choices = await self._collect(prep, streams)
         return JSONResponse(self._chat_response(prep, choices).model_dump(mode="json"))
 
@@ -576,8 +658,14 @@ class Ingress:
     async def _start(self, prep: _Prepared) -> list[_Stream]:
         """Send every prompt to the router and wait for each one's first event, so that a refusal (400, 429,
         503) becomes the HTTP status before any byte of a stream is sent."""
-        streams = [_Stream(self._router.options(stream=True).generate.remote(r)) for r in prep.engine_requests()]
-        await asyncio.gather(*(s.receive_first() for s in streams))
+        router = self._router.options(stream=True)
+        streams = [_Stream(router.generate.remote(r, True), self._engines) for r in prep.engine_requests()]
+        try:
+            await asyncio.gather(*(s.receive_first() for s in streams))
+        except BaseException:  # the client left while we waited: the streams owe aborts and releases
+            for s in streams:
+                s.close()
+            raise
         errors = [s.first for s in streams if isinstance(s.first, (EngineError, BaseException))]
         if not errors:
             return streams
@@ -662,9 +750,8 @@ class Ingress:
 
     # -- streaming ------------------------------------------------------------------------------------------
     @staticmethod
-    def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(_guarded(events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def _sse(events: AsyncIterator[str], streams: list[_Stream]) -> StreamingResponse:
+        return _SSEResponse(_guarded(events), streams)
 
     async def _completion_events(self, prep: _Prepared, streams) -> AsyncIterator[str]:
         n = prep.params.n

@@ -322,6 +322,22 @@ class EngineError:
     retry_after: float | None = None  # seconds, for 429/503
 
 
+@dataclass(frozen=True, kw_only=True)
+class Redirect:
+    """Router -> ingress (`Router.generate(..., direct=True)`): take the rest of this request's stream straight
+    from an engine replica, `deployment.method(*args)`, instead of through the router: every hop costs CPU per
+    streamed item, and the router only needs to decide. The router keeps counting the request on that replica
+    until the ingress calls `Router.release(release_id)`; if the stream is cut before it ends, the ingress aborts
+    `request_id` on that replica (a stream that never started has nothing to cancel there)."""
+
+    app_name: str
+    deployment: str
+    method: str  # "generate" (unified) or "decode" (after a disaggregated prefill)
+    args: tuple
+    request_id: str  # the engine's id of the request on that replica
+    release_id: str  # the router's id of the request
+
+
 EngineEvent = Union[EngineChunk, EngineError]
 
 

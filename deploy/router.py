@@ -31,7 +31,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deploy.config import ServeConfig
-from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest
+from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.server import Admitted, FirstToken, TransferOutcome
 from deploy.streaming import coalesce
 from workers.stats import EngineStats
@@ -39,6 +39,7 @@ from workers.stats import EngineStats
 logger = logging.getLogger("m3serve.router")
 
 STATS_TTL_S = 0.5
+HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (its ingress died); see _sweep_held
 
 ReplicaKey = tuple[str, int]  # (role, index)
 PairKey = tuple[ReplicaKey, ReplicaKey]  # (prefill replica, decode replica)
@@ -56,6 +57,8 @@ class Router:
         self._last_used: dict[ReplicaKey, int] = {key: 0 for key in self._engines}
         self._picks = 0
         self._where: dict[str, ReplicaKey] = {}  # request id -> replica, for aborts
+        # direct streams (the ingress reads the engine replica's stream itself): request id -> (replica, since)
+        self._held: dict[str, tuple[ReplicaKey, float]] = {}
         self._stats: dict[ReplicaKey, EngineStats] = {}
         self._counters: dict[ReplicaKey, dict] = {}
         self._stats_time = 0.0
@@ -91,6 +94,7 @@ class Router:
             return
         if self._refreshing is None or self._refreshing.done():
             self._stats_time = time.monotonic()
+            self._sweep_held()
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh_stats())
 
     async def _refresh_stats(self) -> None:
@@ -102,15 +106,22 @@ class Router:
                 self._counters[key] = res["counters"]
 
     # -- requests -------------------------------------------------------------------------------------------
-    async def generate(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
-        """Stream a request's events from the replica chosen for it (prefill then decode when disaggregated)."""
+    async def generate(self, req: EngineRequest, direct: bool = False) -> AsyncIterator[EngineEvent | Redirect]:
+        """Stream a request's events from the replica chosen for it (prefill then decode when disaggregated).
+        `direct` (the ingress): instead of relaying the token stream, end with a `Redirect` to the replica that
+        streams it (unified: at once; disaggregated: after the first token, once the KV reached the decode
+        replica); the ingress then reads that stream itself and calls `release` when it ended."""
         if self._config.disaggregate:
-            async for event in self._generate_disaggregated(req):
+            async for event in self._generate_disaggregated(req, direct):
                 yield event
             return
         key = self._pick("unified")
         self._inflight[key] += 1
         self._where[req.request_id] = key
+        if direct:
+            async for event in self._redirect(req.request_id, key, "generate", (req,), req.request_id):
+                yield event
+            return
         stream = self._engines[key].options(stream=True).generate.remote(req)
         events = coalesce(stream)  # what piled up while we were busy goes on as one chunk
         done = False
@@ -124,6 +135,40 @@ class Router:
             if not done:  # we were cancelled (client gone) or failed: make sure the engine lets go too
                 stream.cancel()
             await events.aclose()  # stops its pump
+
+    async def _redirect(self, rid: str, key: ReplicaKey, method: str, args: tuple,
+                        engine_rid: str) -> AsyncIterator[Redirect]:
+        """Yield the `Redirect` to `key`'s `method(*args)`; from then on the request's in-flight count on `key`
+        is the ingress's to give back (`release`). Cancelled before it left: given back here."""
+        handle = self._engines[key]
+        self._held[rid] = (key, time.monotonic())
+        handed = False
+        try:
+            yield Redirect(app_name=handle.app_name, deployment=handle.deployment_name, method=method, args=args,
+                           request_id=engine_rid, release_id=rid)
+            handed = True
+        finally:
+            if not handed:
+                self._release(rid)
+
+    async def release(self, request_id: str) -> None:
+        """The ingress's direct stream of `request_id` ended (or was cut): stop counting it on its replica."""
+        self._release(request_id)
+
+    def _release(self, rid: str) -> None:
+        held = self._held.pop(rid, None)  # once: a second release (a cancel racing the end) finds nothing
+        if held is None:
+            return
+        self._inflight[held[0]] -= 1
+        if self._where.get(rid) == held[0]:
+            del self._where[rid]
+
+    def _sweep_held(self) -> None:
+        """Forget direct streams never released (their ingress replica died): after `HOLD_TTL_S` they stop
+        counting as load (their engine freed the pages long before, when their stream broke)."""
+        now = time.monotonic()
+        for rid in [r for r, (_, since) in self._held.items() if now - since > HOLD_TTL_S]:
+            self._release(rid)
 
     async def abort(self, request_id: str) -> None:
         touched = self._touched.get(request_id)
@@ -213,7 +258,8 @@ class Router:
                                message=f"no decode replica has room for this request's KV pages now ({full.message})")
         return full or EngineError(status=503, message="no decode replica", code="engine_unavailable")
 
-    async def _generate_disaggregated(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
+    async def _generate_disaggregated(self, req: EngineRequest,
+                                      direct: bool = False) -> AsyncIterator[EngineEvent | Redirect]:
         rid = req.request_id
         if req.params.n != 1:
             yield EngineError(status=400, param="n",
@@ -296,6 +342,12 @@ class Router:
             sample = first.samples[0]
             token = FirstToken(token_id=sample.token_ids[0], text_len=len(sample.text),
                                logprobs=sample.logprobs[0] if sample.logprobs else None)
+            if direct:  # the ingress streams the decode itself; the decode replica's count goes with it
+                busy.remove(d)
+                async for event in self._redirect(rid, d, "decode", (sub, token), sub.request_id):
+                    yield event
+                done = True
+                return
             dstream = self._engines[d].options(stream=True).decode.remote(sub, token)
             streams.append(dstream)
             devents = coalesce(dstream)

@@ -1,0 +1,68 @@
+"""Direct streams (what the ingress does): `Router.generate(req, direct=True)` decides and orchestrates, then hands
+the token stream over with a `Redirect` to the engine replica that produces it; the router counts the request on
+that replica until `release`. Unified: the redirect comes at once; disaggregated: after the prefill's first token,
+once the KV reached the decode replica. The tokens read from the named replica equal the relayed stream's."""
+from __future__ import annotations
+
+import random
+
+from deploy.protocol import EngineChunk, EngineRequest, Redirect
+from tests.deploy.pdapp import handle as pd_handle, pages_in_use, pd_app
+from workers.request import SamplingParams
+
+PROMPT = [random.Random(8).randrange(3, 384) for _ in range(40)]
+
+
+def request(rid: str, max_tokens: int = 6) -> EngineRequest:
+    return EngineRequest(request_id=rid, prompt_token_ids=PROMPT,
+                         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def tokens(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, EngineChunk) for s in e.samples for t in s.token_ids]
+
+
+def inflight(app) -> dict[str, int]:
+    return {f"{r['role']}-{r['replica']}": r["inflight"] for r in app.engine_stats()}
+
+
+def follow(redirect: Redirect) -> list:
+    from ray import serve
+
+    engine = serve.get_deployment_handle(redirect.deployment, app_name=redirect.app_name)
+    return list(getattr(engine.options(stream=True), redirect.method).remote(*redirect.args))
+
+
+def test_unified_redirects_at_once_and_counts_until_released(serve_app):
+    serve_app.wait_idle()
+    router = serve_app.router()
+    relayed = tokens(list(router.options(stream=True).generate.remote(request("relayed"))))
+    events = list(router.options(stream=True).generate.remote(request("direct"), True))
+    assert len(events) == 1 and isinstance(events[0], Redirect)
+    r = events[0]
+    assert (r.deployment, r.method, r.request_id, r.release_id) == ("EngineServer-unified-0", "generate", "direct",
+                                                                    "direct")
+    assert inflight(serve_app) == {"unified-0": 1}  # counted on its replica while the ingress streams it
+    got = follow(r)
+    assert tokens(got) == relayed and got[-1].finished
+    router.release.remote("direct").result()
+    router.release.remote("direct").result()  # a second release (a cancel racing the end) changes nothing
+    assert inflight(serve_app) == {"unified-0": 0}
+    serve_app.wait_idle()
+
+
+def test_disaggregated_redirects_to_decode_after_the_first_token(serve_app):
+    pd = pd_app(serve_app)
+    pd.wait_idle()
+    router = pd_handle("Router")
+    relayed = tokens(list(router.options(stream=True).generate.remote(request("pd-relayed"))))
+    events = list(router.options(stream=True).generate.remote(request("pd-direct"), True))
+    assert [type(e) for e in events] == [EngineChunk, Redirect]
+    first, r = events
+    assert first.samples[0].token_ids == relayed[:1] and not first.finished
+    assert (r.deployment, r.method, r.request_id) == ("EngineServer-decode-0", "decode", "pd-direct")
+    assert inflight(pd) == {"prefill-0": 0, "decode-0": 1}  # prefill let go once its KV arrived
+    assert tokens(follow(r)) == relayed[1:]
+    router.release.remote("pd-direct").result()
+    pd.wait_idle()
+    assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
