@@ -138,6 +138,27 @@ def serve_processes() -> dict[str, int]:
     return out
 
 
+RAY_DIRECT_INGRESS_PORTS = range(30000, 31001)  # Serve's default HTTP port range for direct ingress replicas
+
+
+def listening_port(pid: int, ports: range) -> int:
+    """A TCP port in `ports` that process `pid` listens on (its sockets' inodes in /proc/net/tcp)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        port = int(f[1].split(":")[1], 16)
+        if f[3] == "0A" and f[9] in inodes and port in ports:  # 0A: LISTEN
+            return port
+    raise RuntimeError(f"process {pid} listens on no port in {ports.start}-{ports.stop - 1}")
+
+
 def _descends_from(pid: int, ancestor: int) -> bool:
     while pid > 1:
         if pid == ancestor:
@@ -217,6 +238,43 @@ def client_summary(run) -> dict[str, Any]:
             "tok_per_s": round(s["output_throughput"]), "duration_s": round(run.duration, 2)}
 
 
+def ttft_split(run, timeline: dict) -> dict[str, float]:
+    """p50 (ms) of where each request's first token spent its time: client send -> the engine server's generate
+    call (Serve hops in) -> start of the engine step that sampled it (queueing, admission) -> that step's end ->
+    the server's yield (serve mark) -> arrival at the client."""
+    first_step: dict[str, tuple[float, float]] = {}
+    for s in timeline.get("steps", []):
+        for rid, n in s[-1]:
+            if n >= 1 and rid not in first_step:
+                first_step[rid] = (s[0], s[1])
+    marks: dict[str, float] = {}
+    arrive: dict[str, float] = {}
+    for t, rid, kind, _ in timeline.get("serve_marks", []):
+        if kind == "chunk" and rid not in marks:
+            marks[rid] = t
+        elif kind == "arrive":
+            arrive[rid] = t
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    wall = lambda t: run.wall0 + (t - run.perf0)  # noqa: E731  (client perf_counter -> wall clock)
+    for r in run.short:
+        rid = r.request_id
+        if not r.chunk_times or rid not in first_step:
+            continue
+        start, end = first_step[rid]
+        if rid in arrive:
+            parts["to_server"].append(arrive[rid] - wall(r.start))
+            parts["server_to_step"].append(start - arrive[rid])
+        else:
+            parts["to_step"].append(start - wall(r.start))
+        parts["step"].append(end - start)
+        if rid in marks:
+            parts["to_server_yield"].append(marks[rid] - end)
+            parts["to_client"].append(wall(r.chunk_times[0]) - marks[rid])
+        else:  # in-process: the consumer is the client
+            parts["to_client"].append(wall(r.chunk_times[0]) - end)
+    return {k: round(1e3 * sorted(v)[len(v) // 2], 2) for k, v in parts.items() if v}
+
+
 def step_p50(timeline: dict) -> float | None:
     steps = sorted(s[1] - s[0] for s in timeline.get("steps", []) if s[3] > 0 and s[2] == 0)
     return round(1e3 * steps[len(steps) // 2], 2) if steps else None
@@ -238,7 +296,9 @@ def measure(args, drive, timelines, pids: dict[str, int] | None) -> dict[str, An
     seconds = time.perf_counter() - t0
     out = client_summary(run)
     out["cpu"] = cpu_report(before, cpu_snapshot(pids or {}), seconds, out["tokens"])
-    out["engine_step_p50_ms"] = step_p50(next(iter(timelines(wall0).values())))
+    timeline = next(iter(timelines(wall0).values()))
+    out["engine_step_p50_ms"] = step_p50(timeline)
+    out["ttft_split_p50_ms"] = ttft_split(run, timeline)
     for name, proc, path in spies:
         proc.wait()
         out.setdefault("py_spy", {})[name] = [(f, round(share, 3)) for f, share in top_frames(path)]
@@ -267,8 +327,10 @@ def run_serve(args) -> dict[str, Any]:
             raise RuntimeError(f"not ready: {state}")
         server = serve.get_deployment_handle("EngineServer-unified-0", app_name=APP)
         timelines = lambda since: {"unified": server.debug_timeline.remote(since).result(timeout_s=30)}  # noqa
-        return measure(args, pd.http_driver(f"http://127.0.0.1:{port}", args.concurrency), timelines,
-                       serve_processes())
+        pids = serve_processes()
+        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica serves HTTP itself
+            port = listening_port(pids["Ingress"], RAY_DIRECT_INGRESS_PORTS)
+        return measure(args, pd.http_driver(f"http://127.0.0.1:{port}", args.concurrency), timelines, pids)
     finally:
         try:
             serve.shutdown()
@@ -297,6 +359,7 @@ def format_result(args, res: dict) -> str:
         lines.append(f"[{mode}] TPOT p50/p90 {r['tpot_p50_ms']}/{r['tpot_p90_ms']} ms, ITL p50 {r['itl_p50_ms']}, "
                      f"TTFT p50 {r['ttft_p50_ms']}, step p50 {r['engine_step_p50_ms']} ms, "
                      f"{r['tok_per_s']} tok/s, {r['tokens_per_chunk']} tok/chunk, failed {r['failed']}")
+        lines.append("    TTFT split p50 (ms): " + ", ".join(f"{k} {v}" for k, v in r["ttft_split_p50_ms"].items()))
         lines.append("    CPU ms per 1k tokens (% of a core): " + ", ".join(
             f"{n} {c['ms_per_1k_tokens']} ({c['core_pct']}%)" for n, c in r["cpu"].items()))
         for name, frames in r.get("py_spy", {}).items():

@@ -173,7 +173,8 @@ class EngineServer:
         self._dp_admissions: dict[int, int] = {}  # attention DP: requests admitted (decode) / placed per dp rank
         # When each event left this replica for the router (time.time(): the client's and the engines' clock):
         # kind "chunk" (with its token count), "outcome" (prefill's transfer result), "decode" (the router's
-        # decode call arrived). Serve hop = client arrival - chunk; see debug_timeline.
+        # decode call arrived), "arrive" (a unified generate call arrived). Serve hop = client arrival - chunk;
+        # see debug_timeline.
         self._serve_marks: deque[tuple] = deque(maxlen=SERVE_MARKS)
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
@@ -242,6 +243,7 @@ class EngineServer:
     # -- requests -------------------------------------------------------------------------------------------
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineEvent]:
         """Stream one request: `EngineChunk`s as tokens appear, or a single `EngineError`."""
+        self._serve_marks.append((time.time(), req.request_id, "arrive", 0))  # Serve hops in: client -> here
         if self._engine is None:
             yield self._not_ready()
             return
