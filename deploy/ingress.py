@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -29,7 +30,7 @@ from deploy.protocol import (
     EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect, TopLogprob, UsageInfo, new_id,
     param_of, sse_event,
 )
-from deploy.streaming import coalesce
+from deploy.streaming import EventQueue, coalesce
 from workers.request import SamplingParams
 
 logger = logging.getLogger("m3serve.ingress")
@@ -229,19 +230,111 @@ def _not_ready_message(state: dict) -> str:
     return f"not ready: {len(loading)} engine replica(s) still loading"
 
 
+class _Subscription:
+    """This ingress replica's one stream from one engine replica (`EngineServer.subscribe`): every step's events of
+    all the requests it started there arrive as one item, and are handed to each request's `EventQueue`. Opened
+    on first use; when it breaks (the replica died or restarted) every request on it fails, and the next request
+    opens a new one."""
+
+    def __init__(self, handle: DeploymentHandle, subscriber: str) -> None:
+        self._handle = handle
+        self._subscriber = subscriber
+        self._queues: dict[str, EventQueue] = {}
+        self._gen: Any = None
+        self._open: asyncio.Future | None = None  # done once the replica accepted the subscription (or failed to)
+
+    async def start(self, r: Redirect, queue: EventQueue) -> EngineChunk | EngineError:
+        """Start the redirected request on the replica: its first event; the rest goes to `queue` (registered
+        first: later events may come through the subscription before the first event's answer)."""
+        await self._subscribed()
+        self._queues[r.request_id] = queue
+        try:
+            first = await self._handle.start.remote(self._subscriber, r.method, r.args)
+        except BaseException:
+            self._queues.pop(r.request_id, None)
+            raise
+        if isinstance(first, EngineError) or first.finished:
+            self._queues.pop(r.request_id, None)
+            if isinstance(first, EngineError) and first.code == "engine_unavailable":
+                self.close()  # the replica lost our subscription: open a new one for the next request
+        return first
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _subscribed(self) -> None:
+        if self._open is None or (self._open.done() and (self._open.exception() or self._gen is None)):
+            self._open = asyncio.get_running_loop().create_future()
+            self._gen = self._handle.options(stream=True).subscribe.remote(self._subscriber)
+            asyncio.ensure_future(self._run(self._gen, self._open))
+        await asyncio.shield(self._open)
+
+    async def _run(self, gen: Any, opened: asyncio.Future) -> None:
+        error: BaseException = RuntimeError("the engine replica ended the subscription")
+        try:
+            async for batch in gen:
+                if not opened.done():
+                    opened.set_result(None)
+                for rid, event in batch:
+                    queue = self._queues.get(rid)
+                    if queue is not None:
+                        queue.put(event)
+                        if isinstance(event, EngineError) or event.finished:
+                            del self._queues[rid]
+        except BaseException as e:  # noqa: BLE001 - handed to every request on it
+            error = e
+        if not opened.done():
+            opened.set_exception(error)
+        if self._gen is gen:
+            self._gen = None
+        queues, self._queues = list(self._queues.values()), {}
+        for queue in queues:
+            queue.fail(error)
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.cancel()
+            self._gen = None
+
+
 class _Engines:
-    """The engine replicas a `Redirect` names (one handle per deployment, made on first use), and the calls a
-    direct stream owes when it ends: the router's `release`, an abort on the replica if it was cut short. Those
-    run in the background: the client's response does not wait for them."""
+    """The engine replicas a `Redirect` names (one handle and one subscription per deployment, made on first use),
+    and the calls a direct stream owes when it ends: the router's `release`, an abort on the replica if it was
+    cut short. Those run in the background: the client's response does not wait for them."""
 
     def __init__(self, router: DeploymentHandle) -> None:
         self._router = router
         self._handles: dict[tuple[str, str], DeploymentHandle] = {}
+        self._subscriptions: dict[tuple[str, str], _Subscription] = {}
+        self._subscriber = f"ingress-{uuid.uuid4().hex[:12]}"
         self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
 
-    def open(self, r: Redirect) -> Any:
-        """The engine replica's stream the redirect names."""
-        return getattr(self._handle(r).options(stream=True), r.method).remote(*r.args)
+    async def stream(self, r: Redirect, owner: "_Stream") -> AsyncIterator[EngineChunk | EngineError]:
+        """The redirected request's events: its first event from `start`, the rest through the subscription."""
+        sub = self._subscription(r)
+        queue = EventQueue()
+        owner.started = r
+        try:
+            first = await sub.start(r, queue)
+            yield first
+            if isinstance(first, EngineError) or first.finished:
+                return
+            async for event in queue:
+                yield event
+        finally:
+            sub.forget(r.request_id)
+
+    def _subscription(self, r: Redirect) -> _Subscription:
+        key = (r.app_name, r.deployment)
+        sub = self._subscriptions.get(key)
+        if sub is None:
+            sub = self._subscriptions[key] = _Subscription(self._handle(r), self._subscriber)
+        return sub
+
+    def close(self) -> None:
+        """This ingress replica is going away: end its subscriptions (the engines abort what ran on them)."""
+        for sub in self._subscriptions.values():
+            sub.close()
 
     def release(self, r: Redirect) -> None:
         self._background(self._router.release.remote(r.release_id), "release")
@@ -276,7 +369,7 @@ class _Stream:
         self.gen = gen  # the router's stream
         self.engines = engines
         self.redirect: Redirect | None = None
-        self.engine_gen: Any = None  # the engine replica's stream, once redirected
+        self.started: Redirect | None = None  # set once the redirected request was started on its replica
         self.first: EngineChunk | EngineError | BaseException | None = None
         self.done = False
         self._released = False
@@ -287,8 +380,7 @@ class _Stream:
         async for event in self.gen:
             if isinstance(event, Redirect):
                 self.redirect = event
-                self.engine_gen = self.engines.open(event)
-                async for e in self.engine_gen:
+                async for e in self.engines.stream(event, self):
                     yield e
                 return
             yield event
@@ -334,9 +426,8 @@ class _Stream:
         if not self.done:
             self.done = True
             self.gen.cancel()
-            if self.engine_gen is not None:
-                self.engine_gen.cancel()
-                self.engines.abort(self.redirect)
+            if self.started is not None:
+                self.engines.abort(self.started)
         if self.redirect is not None and not self._released:
             self._released = True
             self.engines.release(self.redirect)
@@ -463,6 +554,14 @@ class Ingress:
         except Exception as e:  # served as 503 with the reason, not a crash loop
             logger.exception("tokenizer failed to load from %s", model_dir)
             self._tokenizer_error = f"{type(e).__name__}: {e}"
+
+    def __del__(self) -> None:
+        # Serve calls this when the replica shuts down: end the engine subscriptions, so the engine replicas
+        # abort what still ran on them and can shut down without waiting for these streams.
+        try:
+            self._engines.close()
+        except Exception:
+            pass
 
     # -- common checks --------------------------------------------------------------------------------------
     def _check_auth(self, request: Request) -> None:

@@ -28,6 +28,7 @@ from ray import serve
 
 from deploy.config import ServeConfig
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, SampleDelta, param_of
+from deploy.streaming import merge_runs
 from workers.config import Role
 from workers.request import RequestOutput
 from workers.stats import EngineStats, RequestStats
@@ -37,6 +38,7 @@ logger = logging.getLogger("m3serve.server")
 RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_KV_S = 1.0
 SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
+SUBSCRIPTION_IDLE_S = 1.0  # an idle subscription still sends an empty item this often (a gone subscriber shows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +131,31 @@ class _DeltaTracker:
         return chunk
 
 
+class _Outbox:
+    """What one subscriber (an ingress replica) has not received yet: per request, the events that came since its
+    subscription's previous item (merged when it is sent); and the task moving each of its requests' events in."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list] = {}
+        self.pumps: dict[str, asyncio.Task] = {}
+        self.wake = asyncio.Event()
+
+    def put(self, request_id: str, event) -> None:
+        self.pending.setdefault(request_id, []).append(event)
+        self.wake.set()
+
+    def take(self) -> list[tuple[str, EngineEvent]]:
+        """Everything pending, one merged chunk per request (errors kept apart, in order)."""
+        batch = [(rid, e) for rid, events in self.pending.items() for e in merge_runs(events)]
+        self.pending.clear()
+        return batch
+
+    def close(self) -> None:
+        """The subscriber is gone: stop its requests (each pump's stream aborts in the engine, freeing pages)."""
+        for task in list(self.pumps.values()):
+            task.cancel()
+
+
 class _TransferCounting:
     """The engine as the metrics reporter sees it, keeping totals of the transfer stats that pass through."""
 
@@ -176,6 +203,7 @@ class EngineServer:
         # decode call arrived), "arrive" (a unified generate call arrived). Serve hop = client arrival - chunk;
         # see debug_timeline.
         self._serve_marks: deque[tuple] = deque(maxlen=SERVE_MARKS)
+        self._boxes: dict[str, _Outbox] = {}  # subscriber (ingress replica) -> its requests' unsent events
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -299,8 +327,83 @@ class EngineServer:
             self._counters["finished" if finished else "rejected" if refused else "aborted"] += 1
 
     async def abort(self, request_id: str) -> None:
+        for box in self._boxes.values():  # a subscribed request: its pump's stream aborts as it closes
+            task = box.pumps.get(request_id)
+            if task is not None:
+                task.cancel()
         if self._engine is not None:
             self._engine.abort(request_id)
+
+    # -- subscriptions: one stream per ingress replica for all its requests ------------------------------------
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[str, EngineEvent]]]:
+        """The events of every request `subscriber` (an ingress replica) started here with `start`, as one stream:
+        each item holds what all of them produced since the previous item ((request id, event) pairs, a request's
+        chunks merged). One Serve item per step for the whole batch instead of one per request and token: every
+        item costs both processes CPU (and this one's step thread the GIL), so per-request streams did not keep
+        up with 16 streams of an H200 decode. The first item is empty: from then on `start` may name
+        `subscriber`. Ending the subscription (the subscriber left) aborts its requests."""
+        box = _Outbox()
+        old = self._boxes.get(subscriber)
+        if old is not None:  # the subscriber lost its stream and came back: what it started before is gone
+            old.close()
+        self._boxes[subscriber] = box
+        try:
+            yield []
+            while True:
+                try:
+                    await asyncio.wait_for(box.wake.wait(), SUBSCRIPTION_IDLE_S)
+                except asyncio.TimeoutError:
+                    yield []
+                    continue
+                box.wake.clear()
+                batch = box.take()
+                if batch:
+                    yield batch
+        finally:
+            if self._boxes.get(subscriber) is box:
+                del self._boxes[subscriber]
+            box.close()
+
+    async def start(self, subscriber: str, method: str, args: tuple) -> EngineEvent:
+        """Start a request whose stream is this server's `method(*args)` ("generate" or "decode"): returns its
+        first event (the first chunk, or the refusal), and sends the rest through `subscriber`'s subscription.
+        Cancelled before the first event: the request is aborted."""
+        box = self._boxes.get(subscriber)
+        if box is None:  # this replica restarted since the subscriber subscribed
+            return EngineError(status=503, message=f"engine replica {self._role}-{self._index} lost the stream to "
+                                                   f"this ingress; retry", code="engine_unavailable", retry_after=1.0)
+        if method not in ("generate", "decode"):
+            raise ValueError(f"method: {method!r} is not a stream of this server")
+        events = getattr(self, method)(*args)
+        rid = args[0].request_id
+        handed = False
+        try:
+            first = await events.__anext__()
+            if isinstance(first, EngineChunk) and not first.finished:
+                box.pumps[rid] = asyncio.ensure_future(self._pump(box, rid, events))
+                handed = True
+            return first
+        except StopAsyncIteration:
+            return EngineError(status=500, message="the engine ended the request without output",
+                               code="internal_error")
+        finally:
+            if not handed:
+                await events.aclose()
+
+    async def _pump(self, box: _Outbox, rid: str, events: AsyncIterator[EngineEvent]) -> None:
+        """Move one request's events into its subscriber's outbox. Cancelled (abort, subscriber gone): the
+        stream closes, which aborts the request in the engine."""
+        try:
+            async for event in events:
+                box.put(rid, event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the subscriber gets an answer, not a hang
+            logger.exception("request %s: stream failed", rid)
+            box.put(rid, EngineError(status=500, message=f"the engine stream failed ({type(e).__name__})",
+                                     code="internal_error"))
+        finally:
+            box.pumps.pop(rid, None)
 
     # -- disaggregation: prefill side -----------------------------------------------------------------------
     async def prefill(self, req: EngineRequest, decode_group: str,

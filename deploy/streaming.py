@@ -66,6 +66,37 @@ def merge_runs(events: Iterable[Any]) -> list[Any]:
     return out
 
 
+class EventQueue:
+    """One request's events as another task hands them over (`put`, or `fail` to end with an error), read as an
+    async iterator: everything queued since the reader's previous step, chunks merged (`merge_runs`)."""
+
+    def __init__(self) -> None:
+        self._buf: deque = deque()
+        self._wake = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def put(self, event: Any) -> None:
+        self._buf.append(event)
+        self._wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._wake.set()
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            if self._buf:
+                batch = list(self._buf)
+                self._buf.clear()
+                for event in merge_runs(batch):
+                    yield event
+                continue
+            if self._error is not None:
+                raise self._error
+            self._wake.clear()
+            await self._wake.wait()
+
+
 async def coalesce(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """The events of `events`, read as fast as they arrive (a pump task) and handed on as the consumer asks: all
     that arrived since its previous ask, chunks merged (`merge_runs`). A consumer that keeps up sees every event

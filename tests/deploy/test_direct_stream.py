@@ -66,3 +66,67 @@ def test_disaggregated_redirects_to_decode_after_the_first_token(serve_app):
     router.release.remote("pd-direct").result()
     pd.wait_idle()
     assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
+
+
+def engine(serve_app):
+    from ray import serve
+
+    return serve.get_deployment_handle("EngineServer-unified-0", app_name="m3")
+
+
+def counters(serve_app) -> dict:
+    return serve_app.engine_stats()[0]["counters"]
+
+
+def test_a_subscription_carries_every_request_started_on_it(serve_app):
+    """Two requests started for one subscriber: `start` answers each one's first token, the rest of both comes
+    through the one subscription stream, equal to their relayed streams."""
+    serve_app.wait_idle()
+    router = serve_app.router()
+    reqs = [request("sub-a", 12), EngineRequest(request_id="sub-b", prompt_token_ids=PROMPT[:17],
+                                                params=SamplingParams(temperature=0.0, max_tokens=9,
+                                                                      ignore_eos=True))]
+    want = {r.request_id: tokens(list(router.options(stream=True).generate.remote(
+        EngineRequest(request_id=r.request_id + "-relayed", prompt_token_ids=r.prompt_token_ids,
+                      params=r.params)))) for r in reqs}
+    server = engine(serve_app)
+    sub = server.options(stream=True).subscribe.remote("test-subscriber")
+    assert next(sub) == []  # subscribed
+    firsts = [server.start.remote("test-subscriber", "generate", (r,)).result() for r in reqs]
+    got = {r.request_id: tokens([f]) for r, f in zip(reqs, firsts)}
+    done: set[str] = set()
+    while done != set(got):
+        for rid, event in next(sub):
+            got[rid] += tokens([event])
+            if event.finished:
+                done.add(rid)
+    assert got == want
+    sub.cancel()
+    serve_app.wait_idle()
+
+
+def test_leaving_a_subscription_aborts_its_requests_and_frees_pages(serve_app):
+    serve_app.wait_idle()
+    before = counters(serve_app)
+    server = engine(serve_app)
+    sub = server.options(stream=True).subscribe.remote("leaving")
+    assert next(sub) == []
+    first = server.start.remote("leaving", "generate", (request("long", 400),)).result()
+    assert isinstance(first, EngineChunk) and not first.finished
+    next(sub)  # it is streaming
+    sub.cancel()
+    serve_app.wait_idle(timeout=30)  # aborted, pages free
+    assert counters(serve_app)["aborted"] == before["aborted"] + 1
+
+
+def test_abort_stops_a_subscribed_request_and_start_needs_a_subscription(serve_app):
+    serve_app.wait_idle()
+    server = engine(serve_app)
+    refused = server.start.remote("nobody", "generate", (request("orphan"),)).result()
+    assert refused.status == 503 and refused.code == "engine_unavailable"
+    sub = server.options(stream=True).subscribe.remote("aborting")
+    assert next(sub) == []
+    server.start.remote("aborting", "generate", (request("stopped", 400),)).result()
+    server.abort.remote("stopped").result()
+    serve_app.wait_idle(timeout=30)
+    sub.cancel()

@@ -122,3 +122,42 @@ def test_closing_early_stops_reading_the_source():
 
     assert asyncio.run(main()).samples[0].token_ids == [0]
     assert closed == [True]
+
+
+def test_event_queue_hands_over_what_piled_up_merged_then_its_error():
+    from deploy.streaming import EventQueue
+
+    async def main():
+        q = EventQueue()
+        for s in range(3):
+            q.put(chunk(s))
+        it = q.__aiter__()
+        first = await it.__anext__()
+        q.put(chunk(3))
+        q.fail(RuntimeError("subscription broke"))
+        second = await it.__anext__()
+        with pytest.raises(RuntimeError, match="subscription broke"):
+            await it.__anext__()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first.samples[0].token_ids == [0, 1, 2] and second.samples[0].token_ids == [3]
+
+
+def test_outbox_sends_one_merged_chunk_per_request_and_keeps_errors_apart():
+    from deploy.server import _Outbox
+
+    async def main():
+        box = _Outbox()
+        box.put("a", chunk(0))
+        box.put("b", chunk(0))
+        box.put("a", chunk(1))
+        box.put("b", EngineError(status=503, message="kv"))
+        assert box.wake.is_set()
+        batch = box.take()
+        assert box.take() == []
+        return batch
+
+    batch = asyncio.run(main())
+    assert [rid for rid, _ in batch] == ["a", "b", "b"]
+    assert batch[0][1].samples[0].token_ids == [0, 1] and isinstance(batch[2][1], EngineError)
