@@ -36,6 +36,7 @@ from workers.request import SamplingParams
 logger = logging.getLogger("m3serve.ingress")
 
 API_KEY_ENV = "M3SERVE_API_KEY"
+RELEASE_FLUSH_S = 0.05  # ended direct streams wait this long for a router call to ride on (see _Engines.release)
 NOT_READY_RETRY_S = 5
 
 
@@ -308,6 +309,8 @@ class _Engines:
         self._subscriptions: dict[tuple[str, str], _Subscription] = {}
         self._subscriber = f"ingress-{uuid.uuid4().hex[:12]}"
         self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
+        self._released: list[str] = []  # ended direct streams the router has not been told of yet
+        self._flush: asyncio.TimerHandle | None = None
 
     async def stream(self, r: Redirect, owner: "_Stream") -> AsyncIterator[EngineChunk | EngineError]:
         """The redirected request's events: its first event from `start`, the rest through the subscription."""
@@ -336,8 +339,22 @@ class _Engines:
         for sub in self._subscriptions.values():
             sub.close()
 
-    def release(self, r: Redirect) -> None:
-        self._background(self._router.release.remote(r.release_id), "release")
+    def release(self, release_id: str) -> None:
+        """Tell the router a direct stream ended: with the next request's router call (`take_released`), or on
+        its own after `RELEASE_FLUSH_S` if none comes (a call per request saved, its count stays right)."""
+        self._released.append(release_id)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._flush_released)
+
+    def take_released(self) -> list[str]:
+        ids, self._released = self._released, []
+        return ids
+
+    def _flush_released(self) -> None:
+        self._flush = None
+        ids = self.take_released()
+        if ids:
+            self._background(self._router.release.remote(ids), "release")
 
     def abort(self, r: Redirect) -> None:
         self._background(self._handle(r).abort.remote(r.request_id), "abort")
@@ -363,10 +380,12 @@ class _Engines:
 
 class _Stream:
     """One engine request's event stream, with its first event already received: from the router, and after a
-    `Redirect` straight from the engine replica it names (`engines`)."""
+    `Redirect` straight from the engine replica it names (`engines`). `router`: the router's answer, a stream
+    (`generate`) or a single `Redirect` / `EngineError` (`route`)."""
 
-    def __init__(self, gen: Any, engines: _Engines | None = None) -> None:
-        self.gen = gen  # the router's stream
+    def __init__(self, router: Any, request_id: str, engines: _Engines | None = None) -> None:
+        self.gen = router
+        self.request_id = request_id
         self.engines = engines
         self.redirect: Redirect | None = None
         self.started: Redirect | None = None  # set once the redirected request was started on its replica
@@ -375,9 +394,16 @@ class _Stream:
         self._released = False
         self._events = self._follow()
 
+    async def _router_events(self) -> AsyncIterator[EngineChunk | EngineError | Redirect]:
+        if hasattr(self.gen, "__aiter__"):
+            async for event in self.gen:
+                yield event
+        else:
+            yield await self.gen
+
     async def _follow(self) -> AsyncIterator[EngineChunk | EngineError]:
         """The router's events; after a `Redirect`, those of the engine replica's stream it names."""
-        async for event in self.gen:
+        async for event in self._router_events():
             if isinstance(event, Redirect):
                 self.redirect = event
                 async for e in self.engines.stream(event, self):
@@ -428,9 +454,11 @@ class _Stream:
             self.gen.cancel()
             if self.started is not None:
                 self.engines.abort(self.started)
-        if self.redirect is not None and not self._released:
+        if self.engines is not None and not self._released:
+            # also when no redirect came: the router may have held the request before we stopped listening
+            # (a release of a request it does not hold changes nothing)
             self._released = True
-            self.engines.release(self.redirect)
+            self.engines.release(self.request_id)
 
 
 def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
@@ -757,8 +785,14 @@ class Ingress:
     async def _start(self, prep: _Prepared) -> list[_Stream]:
         """Send every prompt to the router and wait for each one's first event, so that a refusal (400, 429,
         503) becomes the HTTP status before any byte of a stream is sent."""
-        router = self._router.options(stream=True)
-        streams = [_Stream(router.generate.remote(r, True), self._engines) for r in prep.engine_requests()]
+        released = self._engines.take_released()  # ended direct streams, told to the router with this call
+        if self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
+            router = self._router.options(stream=True)
+            streams = [_Stream(router.generate.remote(r, True, released if i == 0 else ()), r.request_id,
+                               self._engines) for i, r in enumerate(prep.engine_requests())]
+        else:
+            streams = [_Stream(self._router.route.remote(r, released if i == 0 else ()), r.request_id, self._engines)
+                       for i, r in enumerate(prep.engine_requests())]
         try:
             await asyncio.gather(*(s.receive_first() for s in streams))
         except BaseException:  # the client left while we waited: the streams owe aborts and releases

@@ -106,11 +106,27 @@ class Router:
                 self._counters[key] = res["counters"]
 
     # -- requests -------------------------------------------------------------------------------------------
-    async def generate(self, req: EngineRequest, direct: bool = False) -> AsyncIterator[EngineEvent | Redirect]:
+    async def route(self, req: EngineRequest, released: list[str] = ()) -> Redirect | EngineError:
+        """Unified: the replica that runs `req`, as a `Redirect` the ingress follows (see `generate(direct=True)`;
+        one unary call, cheaper than a stream of one item). `released`: the caller's direct streams that ended
+        since its previous call (`release`, piggybacked)."""
+        self._release_all(released)
+        if self._config.disaggregate:
+            return EngineError(status=500, message="route: a disaggregated request streams through generate",
+                               code="internal_error")
+        key = self._pick("unified")
+        self._inflight[key] += 1
+        self._where[req.request_id] = key
+        return self._hold(req.request_id, key, "generate", (req,), req.request_id)
+
+    async def generate(self, req: EngineRequest, direct: bool = False,
+                       released: list[str] = ()) -> AsyncIterator[EngineEvent | Redirect]:
         """Stream a request's events from the replica chosen for it (prefill then decode when disaggregated).
         `direct` (the ingress): instead of relaying the token stream, end with a `Redirect` to the replica that
         streams it (unified: at once; disaggregated: after the first token, once the KV reached the decode
-        replica); the ingress then reads that stream itself and calls `release` when it ended."""
+        replica); the ingress then reads that stream itself and calls `release` when it ended (or passes its
+        id in `released` with a later call)."""
+        self._release_all(released)
         if self._config.disaggregate:
             async for event in self._generate_disaggregated(req, direct):
                 yield event
@@ -140,20 +156,29 @@ class Router:
                         engine_rid: str) -> AsyncIterator[Redirect]:
         """Yield the `Redirect` to `key`'s `method(*args)`; from then on the request's in-flight count on `key`
         is the ingress's to give back (`release`). Cancelled before it left: given back here."""
-        handle = self._engines[key]
-        self._held[rid] = (key, time.monotonic())
+        redirect = self._hold(rid, key, method, args, engine_rid)
         handed = False
         try:
-            yield Redirect(app_name=handle.app_name, deployment=handle.deployment_name, method=method, args=args,
-                           request_id=engine_rid, release_id=rid)
+            yield redirect
             handed = True
         finally:
             if not handed:
                 self._release(rid)
 
-    async def release(self, request_id: str) -> None:
-        """The ingress's direct stream of `request_id` ended (or was cut): stop counting it on its replica."""
-        self._release(request_id)
+    def _hold(self, rid: str, key: ReplicaKey, method: str, args: tuple, engine_rid: str) -> Redirect:
+        """Count `rid` on `key` until it is released; the redirect to hand over."""
+        handle = self._engines[key]
+        self._held[rid] = (key, time.monotonic())
+        return Redirect(app_name=handle.app_name, deployment=handle.deployment_name, method=method, args=args,
+                        request_id=engine_rid, release_id=rid)
+
+    async def release(self, request_ids: list[str] | str) -> None:
+        """The ingress's direct streams of `request_ids` ended (or were cut): stop counting them on their replicas."""
+        self._release_all([request_ids] if isinstance(request_ids, str) else request_ids)
+
+    def _release_all(self, request_ids) -> None:
+        for rid in request_ids:
+            self._release(rid)
 
     def _release(self, rid: str) -> None:
         held = self._held.pop(rid, None)  # once: a second release (a cancel racing the end) finds nothing

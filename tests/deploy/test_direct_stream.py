@@ -130,3 +130,18 @@ def test_abort_stops_a_subscribed_request_and_start_needs_a_subscription(serve_a
     server.abort.remote("stopped").result()
     serve_app.wait_idle(timeout=30)
     sub.cancel()
+
+
+def test_route_redirects_unified_requests_in_one_call_and_takes_releases_along(serve_app):
+    serve_app.wait_idle()
+    router = serve_app.router()
+    r = router.route.remote(request("routed")).result()
+    assert isinstance(r, Redirect) and (r.method, r.release_id) == ("generate", "routed")
+    assert inflight(serve_app) == {"unified-0": 1}
+    r2 = router.route.remote(request("routed-2")).result()
+    assert inflight(serve_app) == {"unified-0": 2}
+    # ended streams ride on the next call: here a third request's route releases both
+    router.route.remote(request("routed-3"), ["routed", "routed-2"]).result()
+    assert inflight(serve_app) == {"unified-0": 1}
+    router.release.remote(["routed-3", r2.release_id]).result()  # a list; an id no longer held changes nothing
+    assert inflight(serve_app) == {"unified-0": 0}
