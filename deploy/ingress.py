@@ -24,13 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy.config import ServeConfig
 from deploy.protocol import (
-    ERROR_TYPES, SSE_DONE, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatDelta, ChatLogprobEntry, ChatLogprobs, ChatResponseMessage, CompletionChoice,
-    CompletionChunk, CompletionLogprobs, CompletionRequest, CompletionResponse, EngineChunk, EngineError,
-    EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect, TopLogprob, UsageInfo, new_id,
-    param_of, sse_event,
+    ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
+    ChatResponseMessage, ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect, TopLogprob,
+    UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, sse_event,
 )
-from deploy.streaming import EventQueue, coalesce
+from deploy.streaming import EventQueue
 from workers.request import SamplingParams
 
 logger = logging.getLogger("m3serve.ingress")
@@ -421,22 +420,19 @@ class _Stream:
             self.first = e
 
     async def chunks(self) -> AsyncIterator[EngineChunk]:
-        """The first chunk, then the rest until the request finishes; an error event raises ApiError. The rest
-        is coalesced: what arrived while the caller was busy (writing SSE events) comes as one chunk."""
+        """The first chunk, then the rest until the request finishes; an error event raises ApiError. What
+        arrived while the caller was busy (writing SSE events) comes as one chunk."""
         if self._last(self.first):
             yield self.first
             return
         yield self.first
-        rest = coalesce(self._events)
-        try:
-            async for event in rest:
-                if self._last(event):
-                    yield event
-                    return
+        # the engine's events come through an EventQueue, which hands over what piled up meanwhile as one chunk
+        async for event in self._events:
+            if self._last(event):
                 yield event
-            self.done = True
-        finally:
-            await rest.aclose()
+                return
+            yield event
+        self.done = True
 
     def _last(self, event: EngineChunk | EngineError) -> bool:
         """Whether `event` ends the request (an error raises ApiError)."""
@@ -891,6 +887,7 @@ class Ingress:
         prompt_tokens = sum(len(p) for p in prep.prompts)
         generated = 0
         started: set[int] = set()
+        enc = ChunkEncoder(id=prep.id, object="text_completion", model=prep.model)
         async for p, chunk in _merge(streams):
             for s in chunk.samples:
                 index = p * n + s.index
@@ -904,37 +901,34 @@ class Ingress:
                 logprobs = None
                 if prep.top_n is not None:
                     logprobs = completion_logprobs(lp_ids, lp, prep.top_n, self._text_of)
-                choice = CompletionChoice(
+                choice = completion_choice(
                     index=index, text=text, logprobs=logprobs, finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason, token_ids=s.token_ids if prep.return_token_ids else None,
                     prompt_token_ids=prep.prompts[p] if prep.return_token_ids and first_of_choice else None)
                 usage = _usage(prompt_tokens, generated) if prep.continuous_usage and prep.include_usage else None
-                yield sse_event(CompletionChunk(id=prep.id, model=prep.model, choices=[choice], usage=usage))
+                yield enc.event([choice], usage)
         if prep.include_usage:
-            yield sse_event(CompletionChunk(id=prep.id, model=prep.model, choices=[],
-                                            usage=_usage(prompt_tokens, generated)))
+            yield enc.event([], _usage(prompt_tokens, generated))
         yield SSE_DONE
 
     async def _chat_events(self, prep: _Prepared, streams) -> AsyncIterator[str]:
         prompt_tokens = len(prep.prompts[0])
         generated = 0
+        enc = ChunkEncoder(id=prep.id, object="chat.completion.chunk", model=prep.model)
         # OpenAI opens each choice with the assistant role and empty content.
-        opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                   for i in range(prep.params.n)]
-        yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=opening,
-                                            prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None))
+        opening = [chat_chunk_choice(index=i, role="assistant", content="") for i in range(prep.params.n)]
+        yield enc.event(opening, None, prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None)
         async for _, chunk in _merge(streams):
             for s in chunk.samples:
                 generated += len(s.token_ids)
                 logprobs = None
                 if prep.top_n is not None:
                     logprobs = chat_logprobs(s.token_ids, s.logprobs or [], prep.top_n, self._text_of)
-                choice = ChatChunkChoice(index=s.index, delta=ChatDelta(content=s.text), logprobs=logprobs,
-                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                                         token_ids=s.token_ids if prep.return_token_ids else None)
+                choice = chat_chunk_choice(index=s.index, content=s.text, logprobs=logprobs,
+                                           finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                           token_ids=s.token_ids if prep.return_token_ids else None)
                 usage = _usage(prompt_tokens, generated) if prep.continuous_usage and prep.include_usage else None
-                yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=[choice], usage=usage))
+                yield enc.event([choice], usage, prompt_token_ids=None)
         if prep.include_usage:
-            yield sse_event(ChatCompletionChunk(id=prep.id, model=prep.model, choices=[],
-                                                usage=_usage(prompt_tokens, generated)))
+            yield enc.event([], _usage(prompt_tokens, generated), prompt_token_ids=None)
         yield SSE_DONE

@@ -9,6 +9,7 @@ Below the ingress everything is token ids: `EngineRequest` goes down, `EngineChu
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -268,6 +269,45 @@ def sse_event(payload: BaseModel | str) -> str:
 
 
 SSE_DONE = sse_event("[DONE]")
+
+
+class ChunkEncoder:
+    """The SSE events of one streamed response, written as one `json.dumps` of plain dicts: the envelope (id,
+    object, created, model) is fixed per response, as OpenAI sends it, and no pydantic model is built per token.
+    The JSON is what `sse_event(CompletionChunk(...))` / `sse_event(ChatCompletionChunk(...))` write (same
+    fields, same order); logprobs stay pydantic models, written by pydantic (`_logprobs_json`)."""
+
+    def __init__(self, *, id: str, object: str, model: str) -> None:
+        head = json.dumps({"id": id, "object": object, "created": _now(), "model": model}, ensure_ascii=False,
+                          separators=(",", ":"))
+        self._head = head[:-1] + ',"choices":'
+
+    def event(self, choices: list[dict], usage: UsageInfo | None = None, **extra: Any) -> str:
+        body = {"usage": None if usage is None else usage.model_dump(), **extra}
+        tail = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        return f"data: {self._head}{json.dumps(choices, ensure_ascii=False, separators=(',', ':'))},{tail[1:]}\n\n"
+
+
+def completion_choice(*, index: int, text: str, logprobs: CompletionLogprobs | None = None,
+                      finish_reason: str | None = None, stop_reason: int | str | None = None,
+                      token_ids: list[int] | None = None, prompt_token_ids: list[int] | None = None) -> dict:
+    """A `CompletionChoice` as the dict `ChunkEncoder` writes."""
+    return {"index": index, "text": text, "logprobs": _logprobs_json(logprobs), "finish_reason": finish_reason, "stop_reason": stop_reason, "token_ids": token_ids,
+            "prompt_token_ids": prompt_token_ids}
+
+
+def chat_chunk_choice(*, index: int, content: str | None, role: str | None = None,
+                      logprobs: ChatLogprobs | None = None, finish_reason: str | None = None,
+                      stop_reason: int | str | None = None, token_ids: list[int] | None = None) -> dict:
+    """A `ChatChunkChoice` as the dict `ChunkEncoder` writes."""
+    return {"index": index, "delta": {"role": role, "content": content}, "logprobs": _logprobs_json(logprobs),
+            "finish_reason": finish_reason, "stop_reason": stop_reason, "token_ids": token_ids}
+
+
+def _logprobs_json(logprobs: BaseModel | None) -> Any:
+    """Logprobs as pydantic writes them (a -inf logprob becomes null, which json.dumps would write as -Infinity,
+    not JSON): only requests that asked for logprobs pay for the round trip."""
+    return None if logprobs is None else json.loads(logprobs.model_dump_json())
 
 
 def new_id(prefix: str) -> str:

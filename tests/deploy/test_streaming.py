@@ -161,3 +161,43 @@ def test_outbox_sends_one_merged_chunk_per_request_and_keeps_errors_apart():
     batch = asyncio.run(main())
     assert [rid for rid, _ in batch] == ["a", "b", "b"]
     assert batch[0][1].samples[0].token_ids == [0, 1] and isinstance(batch[2][1], EngineError)
+
+
+def test_chunk_encoder_writes_what_the_pydantic_chunks_write():
+    """The SSE events written from plain dicts parse to the pydantic models' JSON (fields, order, values; a -inf
+    logprob is null as pydantic writes it), unicode and escapes included."""
+    import json
+
+    from deploy.protocol import (
+        ChatChunkChoice, ChatCompletionChunk, ChatDelta, ChatLogprobEntry, ChatLogprobs, ChunkEncoder,
+        CompletionChoice, CompletionChunk, CompletionLogprobs, TopLogprob, UsageInfo, chat_chunk_choice,
+        completion_choice, sse_event,
+    )
+
+    def same(ours: str, theirs: str) -> None:
+        assert ours.startswith("data: ") and ours.endswith("\n\n")
+        a, b = json.loads(ours[6:]), json.loads(theirs[6:])
+        b["created"] = a["created"]
+        assert a == b and list(a) == list(b) and list(a["choices"][0] if a["choices"] else {}) == \
+            list(b["choices"][0] if b["choices"] else {})
+
+    usage = UsageInfo(prompt_tokens=3, completion_tokens=2, total_tokens=5)
+    lp = CompletionLogprobs(tokens=["a", "é"], token_logprobs=[-0.5, None], top_logprobs=[{"a": -0.5}, None],
+                            text_offset=[0, 1])
+    enc = ChunkEncoder(id="cmpl-1", object="text_completion", model="m3-tiny")
+    kw = dict(index=1, text='aé\n"', logprobs=lp, finish_reason="stop", stop_reason="\n", token_ids=[4, 5],
+              prompt_token_ids=[1, 2, 3])
+    same(enc.event([completion_choice(**kw)], usage),
+         sse_event(CompletionChunk(id="cmpl-1", model="m3-tiny", choices=[CompletionChoice(**kw)], usage=usage)))
+    same(enc.event([], usage), sse_event(CompletionChunk(id="cmpl-1", model="m3-tiny", choices=[], usage=usage)))
+
+    chat = ChatLogprobs(content=[ChatLogprobEntry(token="x", logprob=float("-inf"), bytes=[120],
+                                                  top_logprobs=[TopLogprob(token="x", logprob=-1.0, bytes=[120])])])
+    enc = ChunkEncoder(id="chatcmpl-1", object="chat.completion.chunk", model="m")
+    same(enc.event([chat_chunk_choice(index=0, content="x", logprobs=chat, finish_reason="length", token_ids=[7])],
+                   None, prompt_token_ids=None),
+         sse_event(ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChatChunkChoice(
+             index=0, delta=ChatDelta(content="x"), logprobs=chat, finish_reason="length", token_ids=[7])])))
+    same(enc.event([chat_chunk_choice(index=0, role="assistant", content="")], None, prompt_token_ids=[1, 2]),
+         sse_event(ChatCompletionChunk(id="chatcmpl-1", model="m", prompt_token_ids=[1, 2], choices=[
+             ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])))
