@@ -232,21 +232,23 @@ def _not_ready_message(state: dict) -> str:
 
 class _Subscription:
     """This ingress replica's one stream from one engine replica (`EngineServer.subscribe`): every step's events of
-    all the requests it started there arrive as one item, and are handed to each request's `EventQueue`. Opened
-    on first use; when it breaks (the replica died or restarted) every request on it fails, and the next request
-    opens a new one."""
+    all the requests it started there arrive as one item, and are handed to each request's `EventQueue`. When it
+    breaks (the replica died or restarted) every request on it fails and it is `broken`: the next request opens
+    a new one (`_Engines`)."""
 
     def __init__(self, handle: DeploymentHandle, subscriber: str) -> None:
         self._handle = handle
         self._subscriber = subscriber
         self._queues: dict[str, EventQueue] = {}
-        self._gen: Any = None
-        self._open: asyncio.Future | None = None  # done once the replica accepted the subscription (or failed to)
+        self.broken = False
+        self._gen = handle.options(stream=True).subscribe.remote(subscriber)
+        self._open = asyncio.get_running_loop().create_future()  # done once the replica took the subscription
+        self._task = asyncio.ensure_future(self._run())
 
     async def start(self, r: Redirect, queue: EventQueue) -> EngineChunk | EngineError:
         """Start the redirected request on the replica: its first event; the rest goes to `queue` (registered
         first: later events may come through the subscription before the first event's answer)."""
-        await self._subscribed()
+        await asyncio.shield(self._open)
         self._queues[r.request_id] = queue
         try:
             first = await self._handle.start.remote(self._subscriber, r.method, r.args)
@@ -256,25 +258,18 @@ class _Subscription:
         if isinstance(first, EngineError) or first.finished:
             self._queues.pop(r.request_id, None)
             if isinstance(first, EngineError) and first.code == "engine_unavailable":
-                self.close()  # the replica lost our subscription: open a new one for the next request
+                self.close()  # the replica lost this subscription: the next request opens a new one
         return first
 
     def forget(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    async def _subscribed(self) -> None:
-        if self._open is None or (self._open.done() and (self._open.exception() or self._gen is None)):
-            self._open = asyncio.get_running_loop().create_future()
-            self._gen = self._handle.options(stream=True).subscribe.remote(self._subscriber)
-            asyncio.ensure_future(self._run(self._gen, self._open))
-        await asyncio.shield(self._open)
-
-    async def _run(self, gen: Any, opened: asyncio.Future) -> None:
+    async def _run(self) -> None:
         error: BaseException = RuntimeError("the engine replica ended the subscription")
         try:
-            async for batch in gen:
-                if not opened.done():
-                    opened.set_result(None)
+            async for batch in self._gen:
+                if not self._open.done():
+                    self._open.set_result(None)
                 for rid, event in batch:
                     queue = self._queues.get(rid)
                     if queue is not None:
@@ -283,18 +278,17 @@ class _Subscription:
                             del self._queues[rid]
         except BaseException as e:  # noqa: BLE001 - handed to every request on it
             error = e
-        if not opened.done():
-            opened.set_exception(error)
-        if self._gen is gen:
-            self._gen = None
+        self.broken = True
+        if not self._open.done():
+            self._open.set_exception(error)
+            self._open.exception()  # retrieved: the waiting requests get it through their shield
         queues, self._queues = list(self._queues.values()), {}
         for queue in queues:
             queue.fail(error)
 
     def close(self) -> None:
-        if self._gen is not None:
-            self._gen.cancel()
-            self._gen = None
+        self.broken = True
+        self._gen.cancel()
 
 
 class _Engines:
@@ -329,7 +323,7 @@ class _Engines:
     def _subscription(self, r: Redirect) -> _Subscription:
         key = (r.app_name, r.deployment)
         sub = self._subscriptions.get(key)
-        if sub is None:
+        if sub is None or sub.broken:
             sub = self._subscriptions[key] = _Subscription(self._handle(r), self._subscriber)
         return sub
 

@@ -201,3 +201,83 @@ def test_chunk_encoder_writes_what_the_pydantic_chunks_write():
     same(enc.event([chat_chunk_choice(index=0, role="assistant", content="")], None, prompt_token_ids=[1, 2]),
          sse_event(ChatCompletionChunk(id="chatcmpl-1", model="m", prompt_token_ids=[1, 2], choices=[
              ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])))
+
+
+class _FakeEngine:
+    """A stand-in for an EngineServer handle: `subscribe` streams what the test feeds it; `start` answers a first
+    chunk at once."""
+
+    def __init__(self) -> None:
+        self.feeds: list[asyncio.Queue] = []
+
+    def options(self, stream: bool = False):
+        return self
+
+    @property
+    def subscribe(self):
+        engine = self
+
+        class _Call:
+            def remote(self, subscriber):
+                feed: asyncio.Queue = asyncio.Queue()
+                engine.feeds.append(feed)
+                feed.put_nowait([])  # subscribed
+
+                class _Gen:
+                    cancelled = False
+
+                    def __aiter__(self):
+                        return self
+
+                    async def __anext__(self):
+                        item = await feed.get()
+                        if isinstance(item, BaseException):
+                            raise item
+                        return item
+
+                    def cancel(self):
+                        feed.put_nowait(RuntimeError("cancelled"))
+
+                return _Gen()
+        return _Call()
+
+    @property
+    def start(self):
+        class _Call:
+            def remote(self, subscriber, method, args):
+                async def answer():
+                    return chunk(0)
+                return answer()
+        return _Call()
+
+
+def test_a_subscription_hands_each_request_its_events_and_a_broken_one_fails_only_its_own():
+    from deploy.ingress import _Subscription
+    from deploy.protocol import Redirect
+    from deploy.streaming import EventQueue
+
+    def redirect(rid: str) -> Redirect:
+        return Redirect(app_name="a", deployment="e", method="generate", args=(), request_id=rid, release_id=rid)
+
+    async def main():
+        engine = _FakeEngine()
+        old = _Subscription(engine, "me")
+        qa, qb = EventQueue(), EventQueue()
+        assert (await old.start(redirect("a"), qa)).samples[0].token_ids == [0]
+        await old.start(redirect("b"), qb)
+        engine.feeds[0].put_nowait([("a", chunk(1)), ("b", chunk(1)), ("a", chunk(2))])
+        a_events, b_events = qa.__aiter__(), qb.__aiter__()
+        assert (await a_events.__anext__()).samples[0].token_ids == [1, 2]
+        assert (await b_events.__anext__()).samples[0].token_ids == [1]
+        new = _Subscription(engine, "me")  # opened while the old one still runs
+        qc = EventQueue()
+        await new.start(redirect("c"), qc)
+        engine.feeds[0].put_nowait(RuntimeError("replica died"))
+        with pytest.raises(RuntimeError, match="replica died"):
+            await a_events.__anext__()
+        assert old.broken and not new.broken
+        engine.feeds[1].put_nowait([("c", chunk(1, finish_at=1, n=1))])
+        last = await qc.__aiter__().__anext__()
+        assert last.finished and last.samples[0].token_ids == [1]
+
+    asyncio.run(main())
