@@ -90,7 +90,6 @@ def build_paced_app(args: argparse.Namespace):
     from deploy.ingress import Ingress, model_name_for
     from deploy.router import Router
     from deploy.server import EngineServer, resolve_model_dir
-    from deploy.streaming import replica_actor_options
 
     step_s = args.step_ms / 1e3
 
@@ -106,7 +105,11 @@ def build_paced_app(args: argparse.Namespace):
                 self._state, self._error = "failed", f"{type(e).__name__}: {e}"
 
     def actor(options: dict) -> dict:  # deploy/streaming.py's replica knobs, unless --serve-threads default
-        return options if args.serve_threads == "default" else replica_actor_options(**options)
+        if args.serve_threads == "default":
+            return options
+        from deploy.streaming import replica_actor_options
+
+        return replica_actor_options(**options)
 
     config = config_from_args({"config": serve_config(args)})
     model_dir = str(resolve_model_dir(config))
