@@ -3,6 +3,10 @@
 Everything that needs text happens here: auth, body validation, the chat template, tokenization, turning token
 deltas into OpenAI responses or SSE chunks, logprob formatting. Below this deployment there are only token ids.
 Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
+
+Streams: the router decides where a request runs and answers a `Redirect`; the tokens then come straight from that
+engine replica, through one subscription per engine replica shared by all this replica's requests (`_Engines`),
+and leave as SSE events written without pydantic (`ChunkEncoder`), several tokens per event when we fell behind.
 """
 # No `from __future__ import annotations`: Serve's class-based FastAPI views need real annotation objects
 # to recognise `Request` and body models in route signatures.

@@ -17,6 +17,11 @@ replica streams the rest. A failed transfer frees the pages on both sides and en
 keeps the first token). The KV pairs between every (prefill, decode) replica pair are opened by this router
 (decode listens, prefill connects) before the first request; a pair that broke is replaced by a new
 generation. Group names carry this router's id, so several routers never share (or tear down) a pair.
+
+The token stream does not pass through here for the ingress (every streamed item costs each process it crosses
+CPU): `route` (unified) answers a `Redirect` to the chosen replica, `generate(direct=True)` ends with one once the
+decode replica can stream; the router counts the request on that replica until the ingress releases it.
+`generate` without `direct` relays the stream (coalesced) for other callers.
 """
 from __future__ import annotations
 

@@ -12,6 +12,12 @@ replica; with attention DP it first answers `place` (the dp rank whose shards wi
 replica serves `admit` (reserve pages and say where prefill sends the KV: with attention DP, the admitting dp
 rank's sub-group; refusal = an `EngineError`) and then `decode` (the stream after the first token). The router
 opens the KV pairs through `kv_listen` / `kv_connect`.
+
+Streaming to the ingress (deploy/streaming.py): `generate` and `decode` are per-request streams (the router relays
+them when asked). The ingress instead holds one `subscribe` stream per engine replica and starts each request with
+`start(subscriber, "generate" | "decode", args)`, which answers the first event; every later item of the
+subscription carries all its requests' new tokens at once, so the Serve cost per step does not grow with the
+batch.
 """
 from __future__ import annotations
 
