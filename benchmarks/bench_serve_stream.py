@@ -40,10 +40,11 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 class PacedExecutor:
     """An executor without a model: a step sleeps `step_s` (a GPU forward's wall time, no CPU) and samples
-    token id 3 + (seq_id * 7 + tokens so far) % (vocab - 3), with a one-entry logprob dict when asked."""
+    token id 3 + (seq_id * 7 + its sample count) % (vocab - 3), with a one-entry logprob dict when asked."""
 
     def __init__(self, *, page_size: int, num_pages: int, vocab_size: int, step_s: float) -> None:
         self.page_size, self.num_pages, self.vocab, self.step_s = page_size, num_pages, vocab_size, step_s
+        self._count: collections.Counter = collections.Counter()  # samples drawn per sequence
 
     def info(self) -> dict:
         return {"num_pages": self.num_pages, "page_size": self.page_size, "dtype": "float32", "device": "cpu",
@@ -55,7 +56,12 @@ class PacedExecutor:
 
         if batch.chunks:
             time.sleep(self.step_s)
-        tokens = [3 + (r.seq_id * 7 + r.num_output_tokens) % (self.vocab - 3) for r in batch.rows]
+        for sid in batch.released_seq_ids:
+            self._count.pop(sid, None)
+        tokens = []
+        for r in batch.rows:
+            tokens.append(3 + (r.seq_id * 7 + self._count[r.seq_id]) % (self.vocab - 3))
+            self._count[r.seq_id] += 1
         lps = [None if r.params.logprobs is None else {t: -1.0} for r, t in zip(batch.rows, tokens)]
         return StepResult(token_ids=tokens, logprobs=lps, forward_time=self.step_s if batch.chunks else 0.0,
                           sample_time=0.0, prompt_logprobs=[[] for _ in batch.prompt_logprob_chunks])
