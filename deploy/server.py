@@ -115,15 +115,16 @@ class _DeltaTracker:
                 continue
             n_tok = self._tokens.get(comp.index, 0)
             n_txt = self._text.get(comp.index, 0)
-            new_ids = list(comp.token_ids[n_tok:])
-            new_lp = None if comp.logprobs is None else [dict(d) for d in comp.logprobs[n_tok:]]
+            end = _sent_until(comp)
+            new_ids = comp.token_ids[n_tok:end]
+            new_lp = None if comp.logprobs is None else [dict(d) for d in comp.logprobs[n_tok:end]]
             finished = comp.finish_reason is not None
             if not new_ids and not finished and len(comp.text) <= n_txt:
                 continue
             samples.append(SampleDelta(index=comp.index, token_ids=new_ids, text=comp.text[n_txt:],
                                        logprobs=new_lp, finish_reason=comp.finish_reason,
                                        stop_reason=comp.stop_reason))
-            self._tokens[comp.index] = len(comp.token_ids)
+            self._tokens[comp.index] = end
             self._text[comp.index] = len(comp.text)
             if finished:
                 self._done.add(comp.index)
@@ -135,6 +136,15 @@ class _DeltaTracker:
             chunk.prompt_logprobs = out.prompt_logprobs
             self._first = False
         return chunk
+
+
+def _sent_until(comp) -> int:
+    """How many of a sample's tokens a chunk made from `comp` carries. The engine hands out its live token list
+    (no copy per step), which its step thread may extend while this output waits to be sent (a consumer that fell
+    behind): count it once, and no further than the output's own logprobs snapshot, so no token (or its logprob)
+    is counted as sent without being sent."""
+    end = len(comp.token_ids)
+    return end if comp.logprobs is None else min(end, len(comp.logprobs))
 
 
 class _Outbox:

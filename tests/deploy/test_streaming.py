@@ -281,3 +281,27 @@ def test_a_subscription_hands_each_request_its_events_and_a_broken_one_fails_onl
         assert last.finished and last.samples[0].token_ids == [1]
 
     asyncio.run(main())
+
+
+def test_a_delta_never_counts_a_token_it_did_not_carry():
+    """The engine's outputs share its live token list; a token appended after the output was made (its logprobs
+    snapshot is shorter) goes out with the next chunk, with its logprob, instead of being skipped."""
+    from deploy.server import _DeltaTracker
+    from workers.request import CompletionOutput, RequestOutput
+
+    live = [10, 11]
+    lps = [{10: -0.1}, {11: -0.2}]
+
+    def out(n_lp: int, text: str, finished: bool = False) -> RequestOutput:
+        comp = CompletionOutput(index=0, token_ids=live, text=text, logprobs=list(lps[:n_lp]),
+                                finish_reason="length" if finished else None)
+        return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], outputs=[comp], finished=finished)
+
+    tracker = _DeltaTracker()
+    first = out(2, "ab")
+    live.append(12)  # the step thread moved on before `first` was sent
+    lps.append({12: -0.3})
+    a = tracker.chunk(first)
+    b = tracker.chunk(out(3, "abc", finished=True))
+    assert a.samples[0].token_ids == [10, 11] and a.samples[0].logprobs == [{10: -0.1}, {11: -0.2}]
+    assert b.samples[0].token_ids == [12] and b.samples[0].logprobs == [{12: -0.3}] and b.finished
