@@ -141,7 +141,7 @@ def serve_processes() -> dict[str, int]:
         except OSError:
             continue
         if title.startswith(f"ray::ServeReplica:{APP}:"):
-            out[title.split(":")[-1].split()[0]] = int(d.name)
+            out[title.split(":")[-1].split()[0].split(".")[0]] = int(d.name)  # "<name>.<method running>"
         elif title.startswith("ray::ProxyActor") and _descends_from(int(d.name), os.getpid()):
             out["ProxyActor"] = int(d.name)
     return out
