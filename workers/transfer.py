@@ -473,21 +473,18 @@ class _Endpoint:
         return names
 
     def _register(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, peers: Sequence[str] | None,
-                  *, async_copy: bool = False) -> dict[str, _Op]:
-        """async_copy (CUDA): the page ids go up from pinned memory on the caller's current stream without the
-        host waiting (the sender's ready event, recorded after this, orders the copy stream behind it)."""
+                  ) -> dict[str, _Op]:
         names = self._resolve_peers(peers)
-        pinned = async_copy and self.device.type == "cuda"
         if not isinstance(page_ids, torch.Tensor):  # a list: check it in Python (no tensor reductions)
             page_ids = list(page_ids)
             if page_ids and (min(page_ids) < 0 or max(page_ids) >= self.kv.num_pages):
                 raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
-            ids = torch.tensor(page_ids, dtype=torch.int64, pin_memory=pinned)
+            ids = torch.tensor(page_ids, dtype=torch.int64)
         else:
             ids = page_ids.to(torch.int64).reshape(-1)
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.kv.num_pages):
                 raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
-        ids = ids.to(self.device, non_blocking=pinned and ids.is_pinned())
+        ids = ids.to(self.device)
         now = time.monotonic()
         with self._cond:
             if request_id in self._ops:
@@ -845,9 +842,9 @@ class KVSender(_Endpoint):
 
     def send(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
              peers: Sequence[str] | None = None) -> None:
-        ops = self._register(request_id, page_ids, peers, async_copy=True)
+        ops = self._register(request_id, page_ids, peers)
         ready = None
-        if self.device.type == "cuda":  # the copy stream must see the prefill's writes and the ids' upload
+        if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         for name, op in ops.items():
