@@ -104,7 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for the engines to load")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help=f"result JSON (default: $OUT/{RESULT_NAME} when OUT is set)")
+    p.add_argument("--out", default=None, help=f"result JSON, or a directory for {RESULT_NAME} "
+                                               f"(default: $OUT/{RESULT_NAME} when OUT is set)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)  # results path: run the work here
     p.add_argument("--_deadline", type=float, default=None, help=argparse.SUPPRESS)  # time.time() to stop by
     args = p.parse_args(argv)
@@ -148,14 +149,16 @@ def supervise(argv: list[str], args: argparse.Namespace) -> int:
     traces = split_traces(results)
     results["serve_vs_inproc"] = serve_vs_inproc(results)
     out = args.out or (os.path.join(os.environ["OUT"], RESULT_NAME) if os.environ.get("OUT") else None)
+    if out and Path(out).is_dir():  # --out $OUT: the directory, as the other benchmarks take it
+        out = os.path.join(out, RESULT_NAME)
+    print(format_diagnosis(results), flush=True)  # before any file: a bad path must not lose the printout
+    print(format_table(results), flush=True)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(results, indent=2) + "\n")
         # compact: thousands of token times and steps; the readable file keeps what was made of them
         trace_path = Path(out).with_name(Path(out).name.removesuffix(".json") + ".trace.json")
         trace_path.write_text(json.dumps(traces, separators=(",", ":")) + "\n")
-    print(format_diagnosis(results), flush=True)
-    print(format_table(results), flush=True)
     complete = all(results.get("modes", {}).get(m, {}).get("mixed") for m in args.modes)
     return 0 if complete and not timed_out else 1
 
