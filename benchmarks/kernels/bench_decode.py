@@ -17,10 +17,14 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from kernels import attention, index_topk as itk, paged_kv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # graph_timing.py, beside this script
+from graph_timing import graph_replay_ms  # noqa: E402
 
 PS, HKV, HQ, D, HI, DI, TOPK = 128, 4, 64, 128, 4, 128, 16
 HBM = 4.3e12  # bytes/s, measured device-to-device copy ceiling (PERF.md)
@@ -34,25 +38,7 @@ TARGET = {("index", 1, 8700): 8, ("index", 16, 8700): 15, ("index", 64, 8700): 4
 
 def graph_time_us(calls, replays=30) -> float:
     """Median time of one call: all `calls` captured in one graph, replayed `replays` times."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
+    return graph_replay_ms(lambda: [c() for c in calls], replays) * 1e3 / len(calls)
 
 
 def eager_time_us(calls, reps=20) -> float:

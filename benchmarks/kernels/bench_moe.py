@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # graph_timing.py, beside this script
+from graph_timing import graph_replay_ms  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (bench_parallel)
 
 HBM = 4.3e12  # bytes/s, the measured copy ceiling (PERF.md)
@@ -63,24 +66,7 @@ def graph_ms(fn, replays: int = 20) -> float:
     """Median ms of one replay of a graph holding one call of fn (after eager warm-up); eager without CUDA."""
     if not torch.cuda.is_available():
         return eager_ms(fn)
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times)
+    return graph_replay_ms(fn, replays)
 
 
 def eager_ms(fn, reps: int = 10, warmup: int = 2) -> float:
