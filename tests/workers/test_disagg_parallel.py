@@ -85,32 +85,9 @@ def _handoff_group(decode, d_group: str, rid: str) -> str:
 
 
 def _drive(prefill, decode, until, timeout: float = 90.0, on_first=None) -> dict:
-    """Step both engines (what each server's step thread does) until `until(state)`, passing the first token
-    from prefill to decode (the router's part)."""
-    state = {"out": {}, "first": {}, "outcomes": {}, "failures": {}}
-    deadline = time.monotonic() + timeout
-    while not until(state):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"stuck: {state['outcomes']} {state['failures']}")
-        busy = False
-        if prefill.has_unfinished():
-            for o in prefill.step():
-                busy = True
-                if o.finished:
-                    state["first"][o.request_id] = o
-                    c = o.outputs[0]
-                    if c.finish_reason is None and (on_first is None or on_first(o)):
-                        decode.continue_remote(o.request_id, c.token_ids[0], c.logprobs[0] if c.logprobs else None)
-            state["outcomes"].update({rid: (ok, why) for rid, ok, why in prefill.pop_transfer_outcomes()})
-        if decode.has_unfinished():
-            for o in decode.step():
-                busy = True
-                if o.finished:
-                    state["out"][o.request_id] = o
-            state["failures"].update(dict(decode.pop_failures()))
-        if not busy:
-            time.sleep(0.002)
-    return state
+    from tests.workers.disagg_helpers import drive_pair  # also when this file runs as the driver script
+
+    return drive_pair(prefill, decode, until, timeout=timeout, on_first=on_first)
 
 
 def _leftovers(engine) -> dict:
@@ -577,5 +554,6 @@ def test_combine_over_shards():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: tests.workers.disagg_helpers
     _ckpt, _out = sys.argv[1], Path(sys.argv[2])
     _out.write_text(json.dumps(drive(_ckpt)))

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from tests.workers.disagg_helpers import drive_pair
 from workers.config import EngineConfig
 from workers.engine import Engine, role_engine_config
 from workers.request import SamplingParams
@@ -58,33 +59,8 @@ def assert_empty(*engines: Engine) -> None:
         assert e.agents[0].end._ops == {}, f"{e.role}: transfer bookkeeping left"
 
 
-def drive(prefill: Engine, decode: Engine, until, timeout: float = 30.0, on_first=None):
-    """Step both engines (what each AsyncEngine thread does) until `until(state)`; the router's part: hand the
-    first token from prefill to decode. Returns the state: final outputs, prefill outputs, outcomes, failures."""
-    state = {"out": {}, "first": {}, "outcomes": {}, "failures": {}}
-    deadline = time.monotonic() + timeout
-    while not until(state):
-        assert time.monotonic() < deadline, f"stuck: {state['outcomes']} {state['failures']}"
-        busy = False
-        if prefill.has_unfinished():
-            for o in prefill.step():
-                busy = True
-                if o.finished:
-                    state["first"][o.request_id] = o
-                    c = o.outputs[0]
-                    if c.finish_reason is None and (on_first is None or on_first(o)):  # handed off
-                        lp = c.logprobs[0] if c.logprobs else None
-                        decode.continue_remote(o.request_id, c.token_ids[0], lp)
-            state["outcomes"].update({rid: (ok, why) for rid, ok, why in prefill.pop_transfer_outcomes()})
-        if decode.has_unfinished():
-            for o in decode.step():
-                busy = True
-                if o.finished:
-                    state["out"][o.request_id] = o
-            state["failures"].update(dict(decode.pop_failures()))
-        if not busy:
-            time.sleep(0.002)
-    return state
+def drive(prefill: Engine, decode: Engine, until, timeout: float = 30.0, on_first=None) -> dict:
+    return drive_pair(prefill, decode, until, timeout=timeout, on_first=on_first)
 
 
 def submit(prefill: Engine, decode: Engine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
