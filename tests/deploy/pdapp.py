@@ -3,6 +3,7 @@ deployed once per session next to the shared unified app (`serve_app`, tests/dep
 prefix /pd; test_disagg.py and test_disagg_faults.py share it through `pd_app(serve_app)`."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -43,3 +44,15 @@ def handle(name: str):
 def pages_in_use(app) -> dict[str, int]:
     return {f"{r['role']}-{r['replica']}": r["stats"]["num_pages_total"] - r["stats"]["num_pages_free"]
             for r in app.engine_stats()}
+
+
+async def greedy_completions(app, prompts: list[list[int]], max_tokens: list[int]) -> list:
+    """The prompts at once through `app`'s OpenAI endpoint: greedy, top-5 logprobs, token ids, no EOS stop."""
+    client = app.async_client()
+    try:
+        return await asyncio.gather(*(
+            client.completions.create(model=app.model, prompt=p, max_tokens=k, temperature=0, logprobs=5,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+            for p, k in zip(prompts, max_tokens)))
+    finally:
+        await client.close()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from tests.deploy.pdapp import handle, pages_in_use, pd_app
+from tests.deploy.pdapp import greedy_completions, handle, pages_in_use, pd_app
 
 # mixed lengths, most past 64 tokens so the sparse layers select 4 of up to 12 blocks
 LENGTHS = [4, 19, 40, 64, 66, 70, 81, 90, 97, 105, 120, 128, 133, 150, 170, 190]
@@ -53,15 +53,8 @@ def reference(serve_app, prompts, tmp_path_factory):
         torch.set_num_threads(threads)
 
 
-async def completions(app, prompts: list[list[int]]) -> list:
-    client = app.async_client()
-    try:
-        return await asyncio.gather(*(
-            client.completions.create(model=app.model, prompt=p, max_tokens=k, temperature=0, logprobs=5,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
-            for p, k in zip(prompts, MAX_TOKENS)))
-    finally:
-        await client.close()
+def completions(app, prompts):
+    return greedy_completions(app, prompts, MAX_TOKENS)
 
 
 def test_sixteen_concurrent_greedy_requests_equal_unified_and_transformers(pd, serve_app, prompts, reference):

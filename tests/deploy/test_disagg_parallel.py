@@ -18,7 +18,7 @@ import random
 import pytest
 
 from deploy.protocol import EngineChunk, EngineError, EngineRequest
-from tests.deploy.pdapp import PD_CONFIG
+from tests.deploy.pdapp import PD_CONFIG, greedy_completions
 from workers.request import SamplingParams
 
 NAME = "pdtp2"
@@ -64,15 +64,8 @@ def pages_in_use(app) -> dict[str, int]:
             for r in app.engine_stats()}
 
 
-async def completions(app, prompts):
-    client = app.async_client()
-    try:
-        return await asyncio.gather(*(
-            client.completions.create(model=app.model, prompt=p, max_tokens=k, temperature=0, logprobs=5,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
-            for p, k in zip(prompts, MAX_TOKENS)))
-    finally:
-        await client.close()
+def completions(app, prompts):
+    return greedy_completions(app, prompts, MAX_TOKENS)
 
 
 def assert_equal_to_unified(got, want) -> None:
