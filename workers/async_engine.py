@@ -8,9 +8,11 @@ away) queues an abort, which frees the request's pages before the next step.
 
 Disaggregation: a prefill engine's `generate(..., handoff_to=group)` streams the first token, then
 `transfer_outcome(request_id)` tells whether its KV reached the decode group. A decode engine's
-`admit_remote` reserves pages (run on the step thread), and `generate_remote` streams the rest once the KV
-landed, or raises `KVTransferFailed`. While transfers are pending the step thread wakes on every settled
-transfer (a listener on the transfer agents) and at least every `TRANSFER_POLL_S`, for leases and timeouts.
+`admit_remote` reserves pages (run on the step thread); the request starts decoding as soon as its KV landed
+(the first token comes with it), whether or not anyone streams it yet: its outputs are parked until
+`generate_remote` attaches (which streams the rest, or raises `KVTransferFailed`), for at most the transfer
+lease. While transfers are pending the step thread wakes on every settled transfer (a listener on the transfer
+agents) and at least every `TRANSFER_POLL_S`, for leases and timeouts.
 
 `debug_timeline(since)` answers where the time went: the step thread keeps the latest `TIMELINE_STEPS` steps
 (wall-clock start/end, forward vs host time, the loop's time between steps, tokens per request) in a ring it alone
@@ -81,6 +83,11 @@ class AsyncEngine:
         self._transfer_stats: deque[TransferStats] = deque(maxlen=4096)
         self._outcomes: dict[str, concurrent.futures.Future] = {}  # prefill: request id -> (ok, reason)
         self._failed: OrderedDict[str, str] = OrderedDict()  # decode failures nobody was streaming yet
+        # decode: the newest output of a request that started decoding before its stream attached, and since when
+        self._parked: dict[str, tuple[RequestOutput, float]] = {}
+        self._dropping: set[str] = set()  # aborted, abort not applied yet: their outputs are not parked
+        self._parks = getattr(self.engine, "role", "unified") == "decode"
+        self.park_timeout_s = getattr(getattr(self.engine, "transfer_config", None), "lease_s", 60.0)
         # only prefill/decode engines move KV (a dp > 1 engine is unified and has none of those calls)
         self._disaggregated = getattr(self.engine, "role", "unified") != "unified"
         if self._disaggregated:
@@ -161,21 +168,37 @@ class AsyncEngine:
     async def generate_remote(self, request_id: str, first_token: int,
                               first_logprobs: dict[int, float] | None = None) -> AsyncIterator[RequestOutput]:
         """Decode role: stream an admitted request from its first token on (the first output already holds
-        it). Raises KVTransferFailed if its KV never lands."""
+        it; if it started decoding before this call, the first output holds everything so far). Raises
+        KVTransferFailed if its KV never lands. `first_token`: what the prefill sampled (the KV header brings the
+        same; it is what a request admitted with `first_from_kv=False` starts from)."""
         self._check_alive()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
             failed = self._failed.pop(request_id, None)
-            if failed is None:
+            parked = self._parked.pop(request_id, (None,))[0]
+            if failed is None and not (parked is not None and parked.finished):
                 self._streams[request_id] = stream
-                self._inbox.append(("continue", request_id, first_token, first_logprobs))
+                if parked is None:
+                    self._inbox.append(("continue", request_id, first_token, first_logprobs))
         if failed is not None:
             raise KVTransferFailed(failed)
-        self._wake.set()
+        if parked is not None:
+            if parked.finished:
+                yield parked
+                return
+            stream.queue.put_nowait(parked)  # ahead of anything the step thread sends from now on
+        else:
+            self._wake.set()
         async for out in self._drain(request_id, stream):
             yield out
+
+    async def fail_remote(self, request_id: str, why: str) -> bool:
+        """Decode role: the request's KV will not come (its prefill said so): fail it now instead of at its
+        lease; its stream (now or when it attaches) raises `KVTransferFailed(why)`. False when it is not waiting
+        for its KV (landed already, unknown, failed or aborted)."""
+        return await self.call(lambda e: e.fail_remote(request_id, why))
 
     async def transfer_outcome(self, request_id: str, timeout_s: float | None = None) -> tuple[bool, str | None]:
         """Prefill role: (ok, reason) once the KV of a handed-off request settled. (False, why) if the
@@ -202,6 +225,8 @@ class AsyncEngine:
         """Abort a request in any state (no-op if unknown); its stream gets nothing more."""
         with self._lock:
             self._streams.pop(request_id, None)
+            self._parked.pop(request_id, None)
+            self._dropping.add(request_id)
             self._inbox.append(("abort", request_id))
         self._wake.set()
 
@@ -298,7 +323,7 @@ class AsyncEngine:
                     else:
                         self.engine.add_request(rid, ids, params, prompt=prompt, handoff_to=handoff[0],
                                                 transfer_id=handoff[1])
-                        if rid not in self.engine._handoffs:  # nothing to hand off (max_tokens 1)
+                        if not self.engine.hands_off(rid):  # nothing to hand off (max_tokens 1)
                             self._settle_outcome(rid, False, "no handoff: the request ends at prefill")
                 except ValueError as e:  # validated already; a race on the id is all that is left
                     with self._lock:
@@ -323,6 +348,8 @@ class AsyncEngine:
                         stream.put(KVTransferFailed(why or str(e.args[0])))
             else:
                 self.engine.abort_request(op[1])
+                with self._lock:
+                    self._dropping.discard(op[1])
         if stopping:
             self.engine.abort_all()
             with self._lock:
@@ -382,12 +409,34 @@ class AsyncEngine:
             for o in outputs:
                 if o.finished:
                     self._streams.pop(o.request_id, None)
+            expired = []
+            if self._parks:
+                expired = self._park([o for stream, o in targets if stream is None])
         for stream, out in targets:
             if stream is not None:
                 stream.put(out)
         for stream, why in failed_streams:
             stream.put(KVTransferFailed(why))
+        if expired:  # started decoding, but nobody came for it: stop it, free its pages
+            for rid in expired:
+                self.engine.abort_request(rid)
+            with self._lock:
+                self._stats = self.engine.stats()
         return window is not None and bool(step_stats)
+
+    def _park(self, outputs: list[RequestOutput]) -> list[str]:
+        """(Lock held.) Keep the newest output of decode requests that run before their stream attached
+        (`generate_remote` picks it up); forget those parked longer than the transfer lease. Returns the ids
+        forgotten while still running (the caller aborts them)."""
+        now = time.monotonic()
+        for o in outputs:
+            if o.request_id not in self._dropping:  # not an aborted request's last output
+                since = self._parked.get(o.request_id, (None, now))[1]
+                self._parked[o.request_id] = (o, since)
+        if not self._parked:
+            return []
+        stale = [rid for rid, (_, since) in self._parked.items() if now - since > self.park_timeout_s]
+        return [rid for rid in stale if not self._parked.pop(rid)[0].finished]
 
 
 def _newest(queue: asyncio.Queue, item: RequestOutput | BaseException) -> RequestOutput | BaseException:

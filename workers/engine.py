@@ -11,8 +11,8 @@ Roles (docs/disaggregation.md): "unified" runs requests start to end. "prefill" 
 samples its first token; a request added with `handoff_to=<decode group>` then keeps its pages, sends them to
 that decode group (`TransferAgent`, one per shard) and frees them once the transfer settled (or its lease
 expired). "decode" reserves a request's pages first (`admit_remote`), receives the prompt's KV into them, and
-once the first token is known too (`continue_remote`) decodes from there. `poll_transfers` (called by `step`)
-moves those requests on; it never blocks.
+decodes from there as soon as they landed: the first token rides in the KV header (or, for a retried prefill,
+comes through `continue_remote`). `poll_transfers` (called by `step`) moves those requests on; it never blocks.
 
 Not thread-safe: one thread drives an Engine (the `AsyncEngine` step thread, or the `LLM` caller).
 """
@@ -109,6 +109,20 @@ class _Tracked:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.req.prompt_token_ids)
 
 
+def first_token_meta(token: int, logprobs: dict[int, float] | None) -> dict:
+    """The prefill's first token as it rides in the KV header (JSON: logprobs as [id, value] pairs, so ids stay
+    ints; floats survive JSON exactly)."""
+    return {"first": int(token), "logprobs": None if logprobs is None else [[int(k), v] for k, v in logprobs.items()]}
+
+
+def first_token_from_meta(meta: dict) -> tuple[int, dict[int, float] | None] | None:
+    """(token, logprobs) from a KV header's meta; None when it carries no first token."""
+    if "first" not in meta:
+        return None
+    lp = meta.get("logprobs")
+    return int(meta["first"]), None if lp is None else {int(k): float(v) for k, v in lp}
+
+
 class KVTransferFailed(RuntimeError):
     """A disaggregated request lost its KV on the way (transfer error, dead peer, lease expired)."""
 
@@ -132,6 +146,9 @@ class _Remote:
     transfer_id: str
     created: float
     first: tuple[int, dict[int, float] | None] | None = None  # the first token and its logprobs, from prefill
+    # take the first token from the KV header (the prefill's sample travels with its pages), so decoding starts
+    # when the pages land; False: wait for `continue_remote` (a retried prefill: the client has another token)
+    first_from_kv: bool = True
     landed: bool = False
     aborted: bool = False  # by the client, or failed: the pages go once the transfer settled
     failure: str | None = None
@@ -270,6 +287,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.has_pending_transfers()
 
+    def hands_off(self, request_id: str) -> bool:
+        """Prefill role: whether `request_id` will send (or is sending) its KV to a decode group."""
+        return request_id in self._handoffs
+
     def has_pending_transfers(self) -> bool:
         """Requests waiting on a KV transfer (or its lease) rather than on a step."""
         return bool(self._handoffs or self._remote)
@@ -333,9 +354,10 @@ class Engine:
             return
         page_ids = self.pages.page_table(seq.seq_id)[:self.pages.pages_for(seq.num_prompt_tokens)]
         self._mark("send", req.request_id)
+        meta = first_token_meta(seq.output_token_ids[0], t.logprobs[0][0] if t.logprobs[0] else None)
         try:
             for agent in self.agents:
-                agent.send(handoff.transfer_id, page_ids, handoff.group)
+                agent.send(handoff.transfer_id, page_ids, handoff.group, meta)
         except ValueError as e:  # no pairs to that group (any more)
             del self._handoffs[req.request_id]
             self.pages.free(seq.seq_id)
@@ -347,10 +369,11 @@ class Engine:
     # ---- disaggregation ---------------------------------------------------------------------------------
     def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                      group: str, transfer_id: str | None = None, prompt: str | None = None,
-                     arrival_time: float | None = None) -> list[int] | None:
+                     arrival_time: float | None = None, first_from_kv: bool = True) -> list[int] | None:
         """Decode role: reserve the pages of a prompt computed by prefill group `group` and expect its KV
         (under `transfer_id`, default the request id). Returns the page ids, or None when the pool has no room
-        now; ValueError (naming the field) for a request that can never be served here."""
+        now; ValueError (naming the field) for a request that can never be served here. `first_from_kv`: the
+        first token comes in the KV header and decoding starts when the pages land (else at `continue_remote`)."""
         if self.role != "decode":
             raise ValueError(f"role: only a decode engine admits remote prefills (this one is {self.role})")
         req = self.scheduler.add_remote(request_id, prompt_token_ids, params, arrival_time=arrival_time)
@@ -369,7 +392,7 @@ class Engine:
                     agent.release(tid)
             self.scheduler.abort(request_id)
             raise
-        self._remote[request_id] = _Remote(transfer_id=tid, created=time.monotonic())
+        self._remote[request_id] = _Remote(transfer_id=tid, created=time.monotonic(), first_from_kv=first_from_kv)
         self._mark("admitted", request_id)
         self._track(req, prompt)
         return page_ids
@@ -377,12 +400,25 @@ class Engine:
     def continue_remote(self, request_id: str, first_token: int,
                         first_logprobs: dict[int, float] | None = None) -> None:
         """Decode role: the first token (sampled by the prefill engine) of an admitted request; it decodes on
-        once its KV has landed."""
+        once its KV has landed. A request already decoding (its first token came with the KV) goes on as it is."""
         remote = self._remote.get(request_id)
+        if remote is None and request_id in self._tracked:
+            return  # started when its KV landed
         if remote is None or remote.aborted:
             raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
-        remote.first = (int(first_token), first_logprobs)
-        self._mark("first_known", request_id)
+        if remote.first is None:  # one from the KV header stays (the same sample)
+            remote.first = (int(first_token), first_logprobs)
+            self._mark("first_known", request_id)
+
+    def fail_remote(self, request_id: str, why: str) -> bool:
+        """Decode role: the request's KV will not come (its prefill reported the transfer failed): fail it now
+        (its stream gets `KVTransferFailed(why)`) rather than at its lease. False when it is not awaiting its KV
+        (unknown, landed already, or failed/aborted before)."""
+        remote = self._remote.get(request_id)
+        if remote is None or remote.aborted or remote.landed:
+            return False
+        self._fail_remote(request_id, why)
+        return True
 
     def _abort_remote(self, request_id: str) -> bool:
         remote = self._remote[request_id]
@@ -466,6 +502,9 @@ class Engine:
             if res.state is TransferState.DONE and not r.landed:
                 r.landed = True
                 self._mark("landed", rid, res.marks)
+                if r.first is None and r.first_from_kv and res.meta is not None:
+                    r.first = first_token_from_meta(res.meta)
+                    self._mark("first_known", rid)
             if r.landed and r.first is not None:
                 outputs.extend(self._activate(rid, r))
             elif now - r.created > lease:

@@ -446,11 +446,11 @@ class GroupTransferAgent:
             self._undo(transfer_id, [r for r, e in enumerate(errors) if e is None])
             raise next(e for e in errors if e is not None)
 
-    def send(self, transfer_id: str, page_ids: Sequence[int], group: str) -> None:
-        """Every shard sends its routes' heads of the pages (after the step that wrote them). If one shard
-        cannot (no pairs to `group` there), the others' sends are aborted and waited for before this raises,
-        so the caller may free the pages."""
-        _out, errors = self._fan_each("kv_send", transfer_id, list(page_ids), group)
+    def send(self, transfer_id: str, page_ids: Sequence[int], group: str, meta: dict | None = None) -> None:
+        """Every shard sends its routes' heads of the pages (after the step that wrote them), `meta` in each
+        header. If one shard cannot (no pairs to `group` there), the others' sends are aborted and waited for
+        before this raises, so the caller may free the pages."""
+        _out, errors = self._fan_each("kv_send", transfer_id, list(page_ids), group, meta)
         if any(errors):
             self._undo(transfer_id, [r for r, e in enumerate(errors) if e is None])
             raise next(e for e in errors if e is not None)
@@ -711,11 +711,9 @@ class DPEngine(Engine):
             return placed is not None  # placed and never added (its decode admission failed): nothing to free
         return self.cores[d].abort_request(request_id)
 
-    @property
-    def _handoffs(self):
-        """Every core's prefill hand-offs as one mapping (the async step loop asks whether an added request
-        will hand off)."""
-        return ChainMap(*(core._handoffs for core in self.cores))
+    def hands_off(self, request_id: str) -> bool:
+        """Prefill role: whether `request_id` will send (or is sending) its KV from one of the dp ranks."""
+        return any(core.hands_off(request_id) for core in self.cores)
 
     # ---- disaggregation: decode role ------------------------------------------------------------------------
     # Each dp rank is its own receiver: its tp group's shards listen for every prefill group, and a request
@@ -723,7 +721,7 @@ class DPEngine(Engine):
     # sub-group, `TransferAgent.dp_group(<this replica's group name>, dp_rank_of(request_id))`.
     def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                      group: str, transfer_id: str | None = None, prompt: str | None = None,
-                     arrival_time: float | None = None) -> list[int] | None:
+                     arrival_time: float | None = None, first_from_kv: bool = True) -> list[int] | None:
         """Reserve the prompt's pages on the least loaded dp rank with room (`dp_rank_of` says which); None
         when no dp rank has room now."""
         if self.role != "decode":
@@ -732,7 +730,8 @@ class DPEngine(Engine):
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         for d in self._ranks_by_load():
             pages = self.cores[d].admit_remote(request_id, prompt_token_ids, params, group=group,
-                                               transfer_id=transfer_id, prompt=prompt, arrival_time=arrival_time)
+                                               transfer_id=transfer_id, prompt=prompt, arrival_time=arrival_time,
+                                               first_from_kv=first_from_kv)
             if pages is not None:
                 self._set_owner(request_id, d)
                 return pages
@@ -744,6 +743,10 @@ class DPEngine(Engine):
         if d is None:
             raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
         self.cores[d].continue_remote(request_id, first_token, first_logprobs)
+
+    def fail_remote(self, request_id: str, why: str) -> bool:
+        d = self.dp_rank_of(request_id)
+        return d is not None and self.cores[d].fail_remote(request_id, why)
 
     def poll_transfers(self) -> list[RequestOutput]:
         return [out for core in self.cores for out in core.poll_transfers()]

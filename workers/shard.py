@@ -158,8 +158,8 @@ class ShardWorker:
     def kv_prepare(self, transfer_id: str, page_ids: list[int], group: str) -> None:
         self._agent().prepare(transfer_id, page_ids, group)
 
-    def kv_send(self, transfer_id: str, page_ids: list[int], group: str) -> None:
-        self._agent().send(transfer_id, page_ids, group)
+    def kv_send(self, transfer_id: str, page_ids: list[int], group: str, meta: dict | None = None) -> None:
+        self._agent().send(transfer_id, page_ids, group, meta)
 
     def kv_poll(self, transfer_ids: list[str]) -> tuple[list, list]:
         """(results of these requests, the stats records settled so far): one round trip per engine poll.

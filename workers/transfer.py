@@ -161,6 +161,9 @@ class KVHeader:
     max_chunk_bytes: int
     checksum: bool
     version: int = _HEADER_VERSION
+    # the caller's small JSON payload riding along (the first token and its logprobs, so the decode engine can
+    # start when the pages land); not checked against the receiver's expectations
+    meta: dict | None = None
 
     def encode(self) -> bytes:
         return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()},
@@ -260,6 +263,7 @@ class _Op:
     num_bytes: int = 0
     aborted: bool = False
     ready_event: Any = None  # sender on CUDA: the caller's stream has produced the pages by then
+    meta: dict | None = None  # sender: rides in the header; receiver: what the header carried
     marks: dict[str, float] = field(default_factory=dict)  # phase name -> time.monotonic() (see TransferResult)
 
 
@@ -283,6 +287,7 @@ class TransferResult:
     # receive posted), acked (status read). Receiver: header (header read), posted (receives and scatters
     # queued), landed (pages written).
     marks: Mapping[str, float] = field(default_factory=dict)
+    meta: dict | None = None  # the sender's `send(..., meta=)`: as sent / as its header arrived (else None)
 
 
 class _Endpoint:
@@ -410,9 +415,10 @@ class _Endpoint:
         for op in ops.values():
             for k, t in op.marks.items():
                 marks[k] = max(t, marks.get(k, t))
+        meta = next((op.meta for op in ops.values() if op.meta is not None), None)
         return TransferResult(request_id=request_id, state=state, settled=all(s.final for s in states),
                               reason=reason, num_bytes=sum(op.num_bytes for op in ops.values()), seconds=seconds,
-                              num_pages=next(iter(ops.values())).page_ids.numel(), marks=marks)
+                              num_pages=next(iter(ops.values())).page_ids.numel(), marks=marks, meta=meta)
 
     def state(self, request_id: str) -> TransferState:
         with self._cond:
@@ -732,7 +738,7 @@ class _SendWorker(_PairWorker):
                                    if r.with_index and end.index_layers else 0),
                         index_layers=end.index_layers if r.with_index else (), dtype=str(end.dtype),
                         element_size=end.kv.k[0].element_size(), max_chunk_bytes=end.config.max_chunk_bytes,
-                        checksum=end.config.verify_checksum)
+                        checksum=end.config.verify_checksum, meta=op.meta)
 
     def _post(self, op: _Op) -> _Flight | None:
         """Header, then the first chunks (up to the in-flight cap) and, when they are all, the status receive.
@@ -841,14 +847,15 @@ class KVSender(_Endpoint):
     role = "sender"
 
     def send(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
-             peers: Sequence[str] | None = None) -> None:
+             peers: Sequence[str] | None = None, meta: dict | None = None) -> None:
+        """`meta`: a small JSON-able dict that travels in the header; the receiver's result shows it."""
         ops = self._register(request_id, page_ids, peers)
         ready = None
         if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         for name, op in ops.items():
-            op.ready_event = ready
+            op.ready_event, op.meta = ready, meta
             self._workers[name].submit(op)
 
 
@@ -931,6 +938,7 @@ class _RecvWorker(_PairWorker):
                 plans = None
                 if op is not None:
                     op.num_bytes = header.total_bytes()
+                    op.meta = header.meta if problem is None else None
                     op.marks.update(header=arrived, recv0=recv0, claimed=time.monotonic())
                     if problem is None:
                         plans = self._layout(header).plans
@@ -1219,14 +1227,14 @@ class TransferAgent:
             raise ValueError(f"group: {group!r} has no pairs into this decode shard")
         self.end.prepare_receive(transfer_id, page_ids, peers=peers)
 
-    def send(self, transfer_id: str, page_ids: Sequence[int], group: str) -> None:
+    def send(self, transfer_id: str, page_ids: Sequence[int], group: str, meta: dict | None = None) -> None:
         peers = self._peers(group)
         if not peers:  # another replica of this shard's heads sends them: nothing to move from here
             if transfer_id in self._idle or transfer_id in self.end._ops:
                 raise ValueError(f"request_id: {transfer_id!r} already has a transfer on this prefill")
             self._idle[transfer_id] = len(page_ids)
             return
-        self.end.send(transfer_id, page_ids, peers=peers)
+        self.end.send(transfer_id, page_ids, peers=peers, meta=meta)
 
     def _idle_result(self, transfer_id: str) -> TransferResult:
         return TransferResult(request_id=transfer_id, state=TransferState.DONE, settled=True,
@@ -1284,7 +1292,8 @@ class TransferAgent:
                               seconds=max(r.seconds for r in results),
                               num_pages=max(r.num_pages for r in results),
                               marks={k: max(r.marks[k] for r in results if k in r.marks)
-                                     for k in {k for r in results for k in r.marks}})
+                                     for k in {k for r in results for k in r.marks}},
+                              meta=next((r.meta for r in results if r.meta is not None), None))
 
     def add_listener(self, fn) -> None:
         self.end.add_listener(fn)

@@ -140,6 +140,66 @@ def test_seeded_sampling_continues_on_decode(pair, tiny_ckpt):
     assert_empty(prefill, decode)
 
 
+def test_decode_starts_when_the_kv_lands(pair, tiny_ckpt):
+    """The first token (and its logprobs) rides in the KV header: the decode engine starts when the pages land,
+    with nobody handing it the token, and gives what the unified engine gives. A late `continue_remote` changes
+    nothing; one admitted with `first_from_kv=False` (a retried prefill) waits for it."""
+    prefill, decode = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, ignore_eos=True)
+    ps = prompts(seed=11)[4:7]
+    unified = Engine(tiny_ckpt, engine_config=engine_config(), role="unified")
+    for i, p in enumerate(ps):
+        unified.add_request(f"k{i}", p, sp)
+    want = {}
+    while unified.has_unfinished():
+        want.update({o.request_id: o.outputs[0] for o in unified.step() if o.finished})
+    unified.shutdown()
+    ids = [f"k{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        submit(prefill, decode, rid, p, sp)
+    late = []
+
+    def started(s) -> bool:  # hand over one first token only after its request is decoding already
+        running = [r for r in ids if r in decode._tracked and r not in decode._remote]
+        if running and not late:
+            late.append(running[0])
+            first = s["first"][running[0]].outputs[0]
+            decode.continue_remote(running[0], first.token_ids[0], first.logprobs[0])
+        return set(s["out"]) >= set(ids) and len(s["outcomes"]) == len(ids)
+
+    st = drive(prefill, decode, started, on_first=lambda o: False)
+    assert late, "no request was seen decoding before the end"
+    for rid in ids:
+        got, w = st["out"][rid].outputs[0], want[rid]
+        assert got.token_ids == w.token_ids and got.text == w.text
+        for a, b in zip(got.logprobs, w.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= 1e-5 for t in a)
+    # the retry path: the KV lands, and the request waits for the token the client already has
+    decode.admit_remote("k-wait", ps[0], sp, group=P_GROUP, first_from_kv=False)
+    prefill.add_request("k-wait", ps[0], sp, handoff_to=D_GROUP)
+    st = drive(prefill, decode, lambda s: "k-wait" in s["outcomes"], on_first=lambda o: False)
+    assert st["outcomes"]["k-wait"] == (True, None)
+    for _ in range(5):
+        assert decode.step() == []  # landed, but not decoding
+    decode.continue_remote("k-wait", want["k0"].token_ids[0], want["k0"].logprobs[0])
+    st = drive(prefill, decode, lambda s: "k-wait" in s["out"])
+    assert st["out"]["k-wait"].outputs[0].token_ids == want["k0"].token_ids
+    assert_empty(prefill, decode)
+
+
+def test_fail_remote_frees_a_reservation_at_once(pair):
+    """The router learns from the prefill side that the KV will not come: the decode side fails the request now
+    (its stream gets the reason), not when its lease runs out."""
+    prefill, decode = pair
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    decode.admit_remote("fr", prompts()[2], sp, group=P_GROUP)
+    assert decode.fail_remote("fr", "KV transfer failed: peer_gone: injected") is True
+    assert decode.pop_failures() == [("fr", "KV transfer failed: peer_gone: injected")]
+    assert decode.fail_remote("fr", "again") is False and decode.fail_remote("nobody", "x") is False
+    drive(prefill, decode, lambda s: not decode.has_unfinished())
+    assert_empty(prefill, decode)
+
+
 def test_abort_before_and_after_the_transfer(pair):
     prefill, decode = pair
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -150,8 +210,9 @@ def test_abort_before_and_after_the_transfer(pair):
     assert decode.stats().num_pages_free == decode.stats().num_pages_total - len(submit_decode_only)
     assert decode.abort_request("a0")
     assert_empty(decode)
-    # KV landed on decode, first token never handed over (the client left between prefill and decode)
-    submit(prefill, decode, "a1", p, sp)
+    # KV landed on decode, first token never handed over (a retried prefill: the client left before it came)
+    decode.admit_remote("a1", p, sp, group=P_GROUP, first_from_kv=False)
+    prefill.add_request("a1", p, sp, handoff_to=D_GROUP)
     st = drive(prefill, decode, lambda s: "a1" in s["outcomes"], on_first=lambda o: False)
     assert st["outcomes"]["a1"] == (True, None)
     assert decode.stats().num_pages_free < decode.stats().num_pages_total
