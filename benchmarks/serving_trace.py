@@ -257,13 +257,14 @@ def handoff_split(req: dict, *, prefill: Replica | None = None, decode: Replica 
     that made token 2 -> client; the first token's own trip (prefill step end -> client) is subtracted:
         gap = step_end_to_send + transfer + landed_to_decode_step + decode_step_to_client - first_token_hop
     (step_end_to_send is negative while the send is called inside the step that finished the prompt).
-    `landed_to_decode_step` = landed_to_activated (the decode engine needs the first token too: it comes through
-    the prefill replica's transfer outcome and the router) + activated_to_step_end.
+    `landed_to_decode_step` = landed_to_activated (the first token comes in the KV header, so this is the decode
+    engine noticing the landed pages; through `continue_remote` after a retried prefill) + activated_to_step_end.
     Unified: gap = engine (step of token 1 end -> step of token 2 end) + decode_step_to_client - first_token_hop.
     `events_ms`: each mark relative to the end of the step that made the first token. None when a piece is
-    missing (the request failed, or a chunk carried both tokens)."""
+    missing (the request failed, or its first chunk carried more than the first token). The second chunk may carry
+    several tokens (a decode replica runs ahead of a stream that attaches late): the split follows token 2."""
     rid = req.get("id")
-    if not rid or not req.get("ok") or len(req["t"]) < 2 or token_counts(req)[:2] != [1, 1]:
+    if not rid or not req.get("ok") or len(req["t"]) < 2 or token_counts(req)[0] != 1:
         return None
     c1, c2 = req["t"][0], req["t"][1]
     if unified is not None:
@@ -290,7 +291,7 @@ def handoff_split(req: dict, *, prefill: Replica | None = None, decode: Replica 
               "settled_seen": prefill.mark("settled", rid), "outcome_left": prefill.serve_mark("outcome", rid),
               "decode_called": decode.serve_mark("decode", rid), "first_known": decode.mark("first_known", rid),
               "activated": activated, "decode_step_start": d["start"], "decode_step_end": d["end"],
-              "token2_left": decode.chunk_left_at(rid, 2, first=1), "client_token1": c1, "client_token2": c2}
+              "token2_left": decode.chunk_left_at(rid, 1 + token_counts(req)[1], first=1), "client_token1": c1, "client_token2": c2}
     return {"id": rid, "gap_ms": _ms(c2 - c1), "segments_ms": {k: _ms(v) for k, v in seg.items()},
             "events_ms": {k: _ms(None if v is None else v - p["end"]) for k, v in events.items()}}
 

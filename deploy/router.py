@@ -11,16 +11,18 @@ DP places the request on its least loaded dp rank first) and a decode replica (l
 replica admits the request and reserves its pages first (a full one passes to the next; none left = 503
 `kv_capacity`) and says where the KV goes (a decode replica with attention DP: the sub-group of the dp rank that
 took the request); the prefill replica runs the prompt, streams the first token (sent to the client at once) and
-sends the KV into those pages; when it reports the transfer done, the decode
-replica streams the rest. A failed transfer frees the pages on both sides and ends the request with 503
-`kv_transfer_failed` (or, with `transfer.retry_prefill`, runs the prefill once more under a new transfer id and
-keeps the first token). The KV pairs between every (prefill, decode) replica pair are opened by this router
-(decode listens, prefill connects) before the first request; a pair that broke is replaced by a new
-generation. Group names carry this router's id, so several routers never share (or tear down) a pair.
+sends the KV into those pages, with the first token in its header; the decode replica starts when the KV lands
+and streams the rest, opened right after the first token (the transfer's outcome is watched on the side). A
+failed transfer frees the pages on both sides and ends the request with 503 `kv_transfer_failed` (or, with
+`transfer.retry_prefill`, the router waits for the first attempt's outcome and, if it failed, runs the prefill
+once more under a new transfer id and keeps the first token). The KV pairs between every (prefill, decode)
+replica pair are opened by this router (decode listens, prefill connects) before the first request; a pair that
+broke is replaced by a new generation. Group names carry this router's id, so several routers never share (or
+tear down) a pair.
 
 The token stream does not pass through here for the ingress (every streamed item costs each process it crosses
-CPU): `route` (unified) answers a `Redirect` to the chosen replica, `generate(direct=True)` ends with one once the
-decode replica can stream; the router counts the request on that replica until the ingress releases it.
+CPU): `route` (unified) answers a `Redirect` to the chosen replica, `generate(direct=True)` ends with one after the
+first token (to the decode replica); the router counts the request on that replica until the ingress releases it.
 `generate` without `direct` relays the stream (coalesced) for other callers.
 """
 from __future__ import annotations
@@ -48,8 +50,11 @@ HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (its in
 
 ReplicaKey = tuple[str, int]  # (role, index)
 PairKey = tuple[ReplicaKey, ReplicaKey]  # (prefill replica, decode replica)
-FAULT_KINDS = ("pause_before_decode",)  # router-side faults for tests (transfer faults live on prefill replicas)
+# router-side faults for tests (transfer faults live on prefill replicas): hold the request between its first token
+# and the decode stream for PAUSE_S (the client leaves meanwhile) or DELAY_S (the decode runs ahead unattended)
+FAULT_KINDS = ("pause_before_decode", "delay_before_decode")
 PAUSE_S = 120.0
+DELAY_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -75,6 +80,7 @@ class Router:
         self._touched: dict[str, list[tuple[ReplicaKey, str]]] = {}  # request id -> (replica, engine id) to abort
         self._faults: dict[str, str] = {}
         self._retry_prefill = config.transfer.retry_prefill
+        self._watching: set[asyncio.Task] = set()  # transfer outcomes watched after the decode started
 
     # -- choosing replicas ----------------------------------------------------------------------------------
     def _candidates(self, role: str) -> list[ReplicaKey]:
@@ -263,17 +269,18 @@ class Router:
         self._last_used[order[0]] = self._picks
         return order
 
-    async def _admit(self, req: EngineRequest, p: ReplicaKey,
-                     p_rank: int | None) -> tuple[ReplicaKey, str] | EngineError:
+    async def _admit(self, req: EngineRequest, p: ReplicaKey, p_rank: int | None,
+                     first_from_kv: bool = True) -> tuple[ReplicaKey, str] | EngineError:
         """Reserve the request's pages on the first decode replica with room: (that replica, the group name its
         prefill sends the KV to: the replica's, or with attention DP the admitting dp rank's sub-group).
-        `p_rank`: the prefill replica's dp rank that runs it (attention DP), whose shards the decode expects."""
+        `p_rank`: the prefill replica's dp rank that runs it (attention DP), whose shards the decode expects.
+        `first_from_kv`: the decode starts when the KV lands, with the first token from the KV header."""
         full = None
         for d in self._pick_decode_order():
             gen = self._pairs[(p, d)]
             try:
                 res = await self._engines[d].admit.remote(req, self._group(p, gen), req.request_id,
-                                                          self._group(d, gen), p_rank)
+                                                          self._group(d, gen), p_rank, first_from_kv)
             except Exception as e:  # that replica is gone: try the next
                 full = EngineError(status=503, message=f"decode replica {d[1]} unreachable ({type(e).__name__})",
                                    code="engine_unavailable", retry_after=1.0)
@@ -321,7 +328,8 @@ class Router:
                     done = True
                     yield p_rank
                     return
-                admitted = await self._admit(sub, p, p_rank)
+                # a retry's first token differs from the one the client has: the decode waits to be handed that
+                admitted = await self._admit(sub, p, p_rank, first_from_kv=attempt == 0)
                 if isinstance(admitted, EngineError):
                     if p_rank is not None:
                         await self._abort_on(p, tid)  # let the placement go
@@ -352,6 +360,13 @@ class Router:
                         yield event
                         return
                     yield event  # the client gets the first token now, while the KV travels
+                if attempt + 1 == attempts:
+                    # Nothing left to retry: go on to the decode replica now, which starts when the KV lands; the
+                    # transfer's outcome is watched on the side (a failure the decode side cannot see fails it).
+                    busy.remove(p)
+                    streams.remove(pstream)
+                    self._watch_outcome(p, d, tid, pstream)
+                    break
                 outcome = await _next_event(pstream, f"prefill replica {p[1]}")
                 self._inflight[p] -= 1
                 busy.remove(p)
@@ -360,15 +375,10 @@ class Router:
                 why = outcome.reason if isinstance(outcome, TransferOutcome) else getattr(outcome, "message", outcome)
                 logger.warning("request %s: KV transfer %s -> %s failed: %s", rid, p, d, why)
                 await self._abort_on(d, tid)
-                await self._repair(p, d)
-                if attempt + 1 < attempts:
-                    continue
-                done = True
-                yield EngineError(status=503, message=f"the KV transfer to the decode replica failed: {why}",
-                                  code="kv_transfer_failed", retry_after=1.0)
-                return
-            if self._faults.get(rid) == "pause_before_decode":
-                await asyncio.sleep(PAUSE_S)  # tests: a client gone between prefill and decode
+                await self._repair(p, d)  # and run the prefill once more
+            fault = self._faults.get(rid)
+            if fault in FAULT_KINDS:  # tests: a client gone between prefill and decode, a late decode stream
+                await asyncio.sleep(PAUSE_S if fault == "pause_before_decode" else DELAY_S)
             sample = first.samples[0]
             token = FirstToken(token_id=sample.token_ids[0], text_len=len(sample.text),
                                logprobs=sample.logprobs[0] if sample.logprobs else None)
@@ -396,6 +406,30 @@ class Router:
                 await asyncio.gather(*(self._abort_on(k, eid) for k, eid in touched), return_exceptions=True)
             if devents is not None:
                 await devents.aclose()  # stops its pump
+
+    def _watch_outcome(self, p: ReplicaKey, d: ReplicaKey, tid: str, pstream) -> None:
+        """In the background: the prefill replica's transfer outcome for `tid`. A failure fails the request on the
+        decode replica (which frees its pages and ends its stream with 503 `kv_transfer_failed`), then replaces
+        the pair if it broke: the decode side sees a refused or broken payload itself, but not a sender that
+        never sent (no pairs, peer gone before the header) until its lease."""
+        async def watch() -> None:
+            try:
+                outcome = await _next_event(pstream, f"prefill replica {p[1]}")
+            finally:
+                self._inflight[p] -= 1
+            if isinstance(outcome, TransferOutcome) and outcome.ok:
+                return
+            why = outcome.reason if isinstance(outcome, TransferOutcome) else getattr(outcome, "message", outcome)
+            logger.warning("request %s: KV transfer %s -> %s failed: %s", tid, p, d, why)
+            try:  # first: dropping a broken pair would fail it too, under a vaguer reason ("closed")
+                await self._engines[d].fail_remote.remote(tid, f"KV transfer failed: {why}")
+            except Exception:  # the decode replica is gone: its pages went with it
+                logger.warning("fail_remote of %s on %s failed", tid, d)
+            await self._repair(p, d)
+
+        task = asyncio.get_running_loop().create_task(watch())
+        self._watching.add(task)
+        task.add_done_callback(self._watching.discard)
 
     async def _place(self, p: ReplicaKey, tid: str) -> int | None | EngineError:
         """The dp rank of prefill replica `p` that will run `tid` (None without attention DP): the decode side

@@ -10,8 +10,9 @@ Roles (docs/disaggregation.md): a `unified` replica serves `generate`. A `prefil
 the first token (as an `EngineChunk`), then a `TransferOutcome` once the request's KV reached the decode
 replica; with attention DP it first answers `place` (the dp rank whose shards will send the KV). A `decode`
 replica serves `admit` (reserve pages and say where prefill sends the KV: with attention DP, the admitting dp
-rank's sub-group; refusal = an `EngineError`) and then `decode` (the stream after the first token). The router
-opens the KV pairs through `kv_listen` / `kv_connect`.
+rank's sub-group; refusal = an `EngineError`), starts decoding when the KV lands, and serves `decode` (the
+stream after the first token, attached whenever it comes) and `fail_remote` (the prefill side failed to send).
+The router opens the KV pairs through `kv_listen` / `kv_connect`.
 
 Streaming to the ingress (deploy/streaming.py): `generate` and `decode` are per-request streams (the router relays
 them when asked). The ingress instead holds one `subscribe` stream per engine replica and starts each request with
@@ -493,12 +494,16 @@ class EngineServer:
 
     # -- disaggregation: decode side ------------------------------------------------------------------------
     async def admit(self, req: EngineRequest, prefill_group: str, transfer_id: str | None = None,
-                    decode_group: str | None = None, prefill_dp_rank: int | None = None) -> Admitted | EngineError:
+                    decode_group: str | None = None, prefill_dp_rank: int | None = None,
+                    first_from_kv: bool = True) -> Admitted | EngineError:
         """Reserve the pages of a prompt that `prefill_group` computes (on its dp rank `prefill_dp_rank`, when
         the prefill replica has attention DP: the receive then expects that rank's shards): an `Admitted`
         (page count, dp rank, and where prefill must send the KV: `decode_group`, this replica's name on the
         prefill side, or with attention DP the admitting dp rank's sub-group of it), or an `EngineError` (503
-        `kv_capacity` when this replica has no room now, 400 for a request it can never serve)."""
+        `kv_capacity` when this replica has no room now, 400 for a request it can never serve).
+        `first_from_kv`: the request starts decoding when its KV lands, with the first token from the KV header
+        (False: when `decode` hands it the token, for a retried prefill whose first token the client already has
+        from the first attempt)."""
         if self._engine is None:
             return self._not_ready()
         rid = req.request_id
@@ -510,7 +515,7 @@ class EngineServer:
         def reserve(engine) -> tuple[list[int] | None, int | None]:
             # one step-thread call: the dp rank is read before anything (a step, an abort) can move the request
             pages = engine.admit_remote(rid, req.prompt_token_ids, req.params, group=prefill_group,
-                                        transfer_id=transfer_id, prompt=req.prompt)
+                                        transfer_id=transfer_id, prompt=req.prompt, first_from_kv=first_from_kv)
             rank_of = getattr(engine, "dp_rank_of", None)  # DPEngine only
             return pages, (rank_of(rid) if pages is not None and rank_of is not None else None)
 
@@ -535,8 +540,17 @@ class EngineServer:
             send_to = TransferAgent.dp_group(decode_group, dp_rank)
         return Admitted(num_pages=len(pages), dp_rank=dp_rank, send_to=send_to)
 
+    async def fail_remote(self, request_id: str, why: str) -> bool:
+        """The router heard from the prefill replica that this admitted request's KV will not come: fail it
+        now (its `decode` stream ends with 503 `kv_transfer_failed` naming `why`) and free its pages. False
+        when it is not waiting for its KV (landed, unknown, failed or aborted already)."""
+        if self._engine is None:
+            return False
+        return await self._engine.fail_remote(request_id, why)
+
     async def decode(self, req: EngineRequest, first: FirstToken) -> AsyncIterator[EngineEvent]:
-        """Stream an admitted request after its first token (which the client already has)."""
+        """Stream an admitted request after its first token (which the client already has). It may have been
+        decoding since its KV landed: the first event then carries every token so far."""
         if self._engine is None:
             yield self._not_ready()
             return

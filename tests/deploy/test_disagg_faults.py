@@ -68,8 +68,14 @@ def test_transfer_failure_is_a_503_and_frees_both_sides(pd, healthy, kind, says)
     assert isinstance(err, EngineError) and err.status == 503 and err.code == "kv_transfer_failed", err
     assert says in err.message
     assert_clean(pd)
-    after = handle("Router").pairs.remote().result()
+    # the router replaces a broken pair when the prefill reports the failure, beside the decode side's error
     replaced = kind != "corrupt_header"
+    deadline = time.monotonic() + 10
+    while True:
+        after = handle("Router").pairs.remote().result()
+        if [after[k] - before[k] for k in before] == [int(replaced)] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert [after[k] - before[k] for k in before] == [int(replaced)]
     # and the next request goes through (over the new pair where the old one broke)
     assert tokens(run(f"after-{kind}")) == healthy
@@ -90,17 +96,39 @@ def test_retry_prefill_recovers_a_failed_transfer(pd, healthy):
 
 def test_client_gone_between_prefill_and_decode(pd, healthy):
     handle("Router").inject_faults.remote({"gone": "pause_before_decode"}).result()
-    stream = handle("Router").options(stream=True).generate.remote(request("gone"))
+    stream = handle("Router").options(stream=True).generate.remote(request("gone", max_tokens=400))
     first = next(iter(stream))
     assert isinstance(first, EngineChunk) and first.samples[0].token_ids == healthy[:1]
-    # the KV lands on the decode side (its pages reserved, prefill's freed), the router waits before decoding
-    deadline = time.monotonic() + 10
-    while pages_in_use(pd) != {"prefill-0": 0, "decode-0": 6}:  # 90 prompt tokens = 6 pages
+    # the KV lands on the decode side (prefill's pages freed) and decoding starts there, though nobody streams it
+    # yet (the router waits): past 96 tokens (90 prompt + 7 decoded) it holds a 7th page
+    deadline = time.monotonic() + 20
+    while not (pages_in_use(pd)["prefill-0"] == 0 and pages_in_use(pd)["decode-0"] > 6):
         assert time.monotonic() < deadline, pages_in_use(pd)
         time.sleep(0.05)
     stream.cancel()  # the client leaves
     assert_clean(pd)
     handle("Router").inject_faults.remote({}).result()
+
+
+def test_decode_runs_ahead_of_a_late_stream(pd, healthy):
+    """The decode replica starts when the KV lands (the first token rides in its header), not when the decode
+    stream is opened: a stream that comes late gets everything decoded meanwhile, in order, and nothing twice."""
+    want = tokens(run("ahead-ref", max_tokens=60))
+    assert len(want) == 60
+    handle("Router").inject_faults.remote({"ahead-5": "delay_before_decode",
+                                           "ahead-60": "delay_before_decode"}).result()
+    since = time.time()
+    try:
+        assert tokens(run("ahead-5")) == healthy  # finished on decode before its stream came
+        assert tokens(run("ahead-60", max_tokens=60)) == want
+    finally:
+        handle("Router").inject_faults.remote({}).result()
+    timeline = handle("EngineServer-decode-0").debug_timeline.remote(since).result()
+    activated = {rid: t for t, kind, rid, _ in timeline["marks"] if kind == "activated"}
+    opened = {rid: t for t, rid, kind, _ in timeline["serve_marks"] if kind == "decode"}
+    for rid in ("ahead-5", "ahead-60"):
+        assert activated[rid] < opened[rid], (rid, activated.get(rid), opened.get(rid))
+    assert_clean(pd)
 
 
 def test_decode_replica_without_free_pages(pd, healthy):
