@@ -254,7 +254,7 @@ class _Op:
 
     request_id: str
     peer: str
-    page_ids: torch.Tensor  # [n] int64 on the cache's device
+    page_ids: torch.Tensor  # [n] int64 on the cache's device (a sender's: on the host until its header left)
     created: float
     state: TransferState = TransferState.PENDING
     reason: str | None = None
@@ -479,7 +479,10 @@ class _Endpoint:
         return names
 
     def _register(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, peers: Sequence[str] | None,
-                  ) -> dict[str, _Op]:
+                  *, upload: bool = True) -> dict[str, _Op]:
+        """One op per peer for the request. `upload` False: the page ids stay on the host (the sender moves them
+        to the device after its header left: the header needs only their count, and the upload is a
+        host-synchronous copy that would otherwise delay the receiver's whole chain)."""
         names = self._resolve_peers(peers)
         if not isinstance(page_ids, torch.Tensor):  # a list: check it in Python (no tensor reductions)
             page_ids = list(page_ids)
@@ -490,7 +493,8 @@ class _Endpoint:
             ids = page_ids.to(torch.int64).reshape(-1)
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.kv.num_pages):
                 raise ValueError(f"page_ids: out of range [0, {self.kv.num_pages})")
-        ids = ids.to(self.device)
+        if upload:
+            ids = ids.to(self.device)
         now = time.monotonic()
         with self._cond:
             if request_id in self._ops:
@@ -771,6 +775,8 @@ class _SendWorker(_PairWorker):
             with self._on_stream():
                 if op.ready_event is not None:  # the pages were written on the caller's stream
                     self._stream.wait_event(op.ready_event)
+                if op.page_ids.device != self.end.device:  # ordered before the gathers on this stream
+                    op.page_ids = op.page_ids.to(self.end.device, non_blocking=True)
                 if flight.checksum:
                     flight.sums = torch.empty(len(layout.sizes), dtype=torch.int64, device=self.end.device)
                 self._post_chunks(flight, block=False)
@@ -849,7 +855,7 @@ class KVSender(_Endpoint):
     def send(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
              peers: Sequence[str] | None = None, meta: dict | None = None) -> None:
         """`meta`: a small JSON-able dict that travels in the header; the receiver's result shows it."""
-        ops = self._register(request_id, page_ids, peers)
+        ops = self._register(request_id, page_ids, peers, upload=False)
         ready = None
         if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
             ready = torch.cuda.Event()
