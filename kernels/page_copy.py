@@ -55,6 +55,8 @@ def _page_copy_kernel(table_ptr, ids_ptr, buf_ptr, GATHER: tl.constexpr, BLOCK: 
         per = tl.cdiv(tl.cdiv(row_len, tl.num_programs(2)), BLOCK) * BLOCK
         lo = c * per
         hi = tl.minimum(lo + per, row_len)
+        if not GATHER:  # a negative page id: that row of the buffer is not written anywhere (a refused request)
+            hi = tl.where(page < 0, lo, hi)
         buf = buf_ptr + buf_off + j * row_len
         run_len32 = run_len.to(tl.int32)
         for start in range(lo, hi, BLOCK):
@@ -144,7 +146,8 @@ def gather_pages_into_ref(caches: Sequence[torch.Tensor], page_ids: torch.Tensor
 def scatter_pages_from_ref(caches: Sequence[torch.Tensor], page_ids: torch.Tensor, src: torch.Tensor, *,
                            ranges: Sequence[tuple[int, int]] | None = None,
                            offsets: Sequence[int] | None = None) -> None:
-    """Pages page_ids[lo_i:hi_i] of caches[i] <- src (uint8 [nbytes]) bytes [offset_i, ...) (the reverse)."""
+    """Pages page_ids[lo_i:hi_i] of caches[i] <- src (uint8 [nbytes]) bytes [offset_i, ...) (the reverse). A
+    negative page id skips its row (the receiver of a batch drops a refused request's rows that way)."""
     ranges, offsets, rows = _segments(caches, ranges, offsets, page_ids.numel())
     _check_buffer(src, max((o + (hi - lo) * r for o, (lo, hi), r in zip(offsets, ranges, rows)), default=0),
                   "scatter_pages_from")
@@ -152,7 +155,11 @@ def scatter_pages_from_ref(caches: Sequence[torch.Tensor], page_ids: torch.Tenso
     for cache, (lo, hi), off, row in zip(caches, ranges, offsets, rows):
         n = hi - lo
         data = src[off:off + n * row].view(cache.dtype).view(n, *cache.shape[1:])
-        cache.index_copy_(0, ids[lo:hi], data)
+        keep = ids[lo:hi] >= 0
+        if bool(keep.all()):
+            cache.index_copy_(0, ids[lo:hi], data)
+        else:
+            cache.index_copy_(0, ids[lo:hi][keep], data[keep])
 
 
 # ---- the one-launch plan -----------------------------------------------------------------------------------

@@ -210,6 +210,7 @@ class Engine:
                                           f"({type(self.executor).__name__} has none yet)")
             self.agents = make_agents(role, self.model_config.num_key_value_heads, self.transfer_config)
         self._handoffs: dict[str, _Handoff] = {}
+        self._to_send: list[tuple[str, list[int], dict]] = []  # handed off in this step: (request id, pages, meta)
         self._remote: dict[str, _Remote] = {}
         # decode: prefill group -> its per-prefill-dp-rank sub-groups (a prefill with attention DP, kv_listen)
         self._split: dict[str, list[str]] = {}
@@ -329,6 +330,7 @@ class Engine:
         for t in touched.values():
             if t.req.finished:
                 self._retire(t)
+        self._send_handoffs()
         self.num_steps += 1
         step_time = time.perf_counter() - t0
         self._step_stats.append(StepStats(
@@ -353,18 +355,33 @@ class Engine:
             self.pages.free(seq.seq_id)
             return
         page_ids = self.pages.page_table(seq.seq_id)[:self.pages.pages_for(seq.num_prompt_tokens)]
-        self._mark("send", req.request_id)
         meta = first_token_meta(seq.output_token_ids[0], t.logprobs[0][0] if t.logprobs[0] else None)
-        try:
-            for agent in self.agents:
-                agent.send(handoff.transfer_id, page_ids, handoff.group, meta)
-        except ValueError as e:  # no pairs to that group (any more)
-            del self._handoffs[req.request_id]
-            self.pages.free(seq.seq_id)
-            self._outcomes.append((req.request_id, False, f"not sent: {e}"))
+        self._to_send.append((req.request_id, page_ids, meta))
+
+    def _send_handoffs(self) -> None:
+        """Send the KV of the requests this step handed off: one payload per decode group and pair for all of
+        them (one transfer's fixed costs instead of one per request, which would queue on the pair)."""
+        if not self._to_send:
             return
-        handoff.sent = True
-        handoff.created = time.monotonic()  # the lease runs from the send
+        by_group: dict[str, list] = {}
+        for rid, page_ids, meta in self._to_send:
+            by_group.setdefault(self._handoffs[rid].group, []).append((rid, page_ids, meta))
+        self._to_send = []
+        for group, items in by_group.items():
+            for rid, _ids, _meta in items:
+                self._mark("send", rid)
+            try:
+                for agent in self.agents:
+                    agent.send_many([(self._handoffs[rid].transfer_id, ids, meta) for rid, ids, meta in items], group)
+            except ValueError as e:  # no pairs to that group (any more)
+                for rid, _ids, _meta in items:
+                    self.pages.free(self._handoffs.pop(rid).seq_id)
+                    self._outcomes.append((rid, False, f"not sent: {e}"))
+                continue
+            now = time.monotonic()
+            for rid, _ids, _meta in items:
+                self._handoffs[rid].sent = True
+                self._handoffs[rid].created = now  # the lease runs from the send
 
     # ---- disaggregation ---------------------------------------------------------------------------------
     def admit_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,

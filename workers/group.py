@@ -447,12 +447,18 @@ class GroupTransferAgent:
             raise next(e for e in errors if e is not None)
 
     def send(self, transfer_id: str, page_ids: Sequence[int], group: str, meta: dict | None = None) -> None:
-        """Every shard sends its routes' heads of the pages (after the step that wrote them), `meta` in each
-        header. If one shard cannot (no pairs to `group` there), the others' sends are aborted and waited for
-        before this raises, so the caller may free the pages."""
-        _out, errors = self._fan_each("kv_send", transfer_id, list(page_ids), group, meta)
+        self.send_many([(transfer_id, page_ids, meta)], group)
+
+    def send_many(self, items: Sequence[tuple[str, Sequence[int], dict | None]], group: str) -> None:
+        """Every shard sends its routes' heads of each request's pages (after the step that wrote them), as one
+        payload per pair, each request's `meta` in the header. If one shard cannot (no pairs to `group` there),
+        the others' sends are aborted and waited for before this raises, so the caller may free the pages."""
+        plain = [(t, list(ids), meta) for t, ids, meta in items]
+        _out, errors = self._fan_each("kv_send_many", plain, group)
         if any(errors):
-            self._undo(transfer_id, [r for r, e in enumerate(errors) if e is None])
+            ok_ranks = [r for r, e in enumerate(errors) if e is None]
+            for transfer_id, _ids, _meta in plain:
+                self._undo(transfer_id, ok_ranks)
             raise next(e for e in errors if e is not None)
 
     def _undo(self, transfer_id: str, ranks: list[int]) -> None:

@@ -158,8 +158,9 @@ class ShardWorker:
     def kv_prepare(self, transfer_id: str, page_ids: list[int], group: str) -> None:
         self._agent().prepare(transfer_id, page_ids, group)
 
-    def kv_send(self, transfer_id: str, page_ids: list[int], group: str, meta: dict | None = None) -> None:
-        self._agent().send(transfer_id, page_ids, group, meta)
+    def kv_send_many(self, items: list, group: str) -> None:
+        """[(transfer id, page ids, meta)]: one payload per pair (TransferAgent.send_many)."""
+        self._agent().send_many(items, group)
 
     def kv_poll(self, transfer_ids: list[str]) -> tuple[list, list]:
         """(results of these requests, the stats records settled so far): one round trip per engine poll.

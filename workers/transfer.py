@@ -164,16 +164,27 @@ class KVHeader:
     # the caller's small JSON payload riding along (the first token and its logprobs, so the decode engine can
     # start when the pages land); not checked against the receiver's expectations
     meta: dict | None = None
+    # several requests in one payload (their pages back to back, in this order): (request id, pages, meta) each;
+    # empty for one request (request_id, num_pages, meta above). With a batch, num_pages is the total.
+    batch: tuple = ()
 
     def encode(self) -> bytes:
-        return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()},
-                          sort_keys=True).encode()
+        return json.dumps(self.__dict__, sort_keys=True).encode()  # tuples go as lists
+
+    def items(self) -> list[tuple[str, int, dict | None]]:
+        """(request id, pages, meta) of every request in the payload, in payload order."""
+        return [tuple(e) for e in self.batch] if self.batch else [(self.request_id, self.num_pages, self.meta)]
+
+    def page_bytes(self) -> int:
+        """Payload bytes per page (all pieces)."""
+        return sum(p[2] for p in self.pieces())
 
     @classmethod
     def decode(cls, raw: bytes) -> KVHeader:
         try:
             d = json.loads(raw)
             d["index_layers"] = tuple(d["index_layers"])
+            d["batch"] = tuple(tuple(e) for e in d.get("batch", ()))
             return cls(**d)
         except Exception as exc:
             raise ValueError(f"undecodable KV header {raw[:120]!r}: {exc}") from exc
@@ -189,7 +200,7 @@ class KVHeader:
         return out
 
     def total_bytes(self) -> int:
-        return self.num_pages * sum(p[2] for p in self.pieces())
+        return self.num_pages * self.page_bytes()
 
 
 @dataclass(frozen=True)
@@ -590,12 +601,13 @@ class _PairWorker:
             self.channel.abort()
         self.end._peer_broken(self.name, why)
 
-    def _fail(self, op: _Op, exc: BaseException) -> None:
-        """Mid-payload (wire or device error): the pair is out of step now; the op ends FAILED."""
+    def _fail(self, ops: Sequence[_Op], exc: BaseException) -> None:
+        """Mid-payload (wire or device error): the pair is out of step now; the ops end FAILED."""
         if not isinstance(exc, TransferError):
             exc = TransferError("internal", f"{type(exc).__name__}: {exc}")
         self._break(str(exc))
-        self.end._finish(op, TransferState.FAILED, str(exc))
+        for op in ops:
+            self.end._finish(op, TransferState.FAILED, str(exc))
 
     def _on_stream(self):
         if self._stream is None:
@@ -653,19 +665,30 @@ def _encode_status(ok: bool, reason: str | None, device: torch.device) -> torch.
     return buf.to(device)
 
 
-def _decode_status(buf: torch.Tensor) -> tuple[bool, str]:
+def _encode_statuses(answers: Sequence[tuple[bool, str | None]], device: torch.device) -> torch.Tensor:
+    """One status per request of a payload, back to back (`_STATUS_BYTES` each)."""
+    return torch.cat([_encode_status(ok, reason, torch.device("cpu")) for ok, reason in answers]).to(device)
+
+
+def _decode_statuses(buf: torch.Tensor, n: int) -> list[tuple[bool, str]]:
     raw = buf.cpu().numpy().tobytes()
-    if raw[0] not in (_STATUS_OK, _STATUS_REFUSED):
-        raise TransferError("internal", f"undecodable status from the receiver {raw[:16]!r}")
-    return raw[0] == _STATUS_OK, raw[3:3 + raw[1] + (raw[2] << 8)].decode(errors="replace")
+    out = []
+    for i in range(n):
+        one = raw[i * _STATUS_BYTES:(i + 1) * _STATUS_BYTES]
+        if one[0] not in (_STATUS_OK, _STATUS_REFUSED):
+            raise TransferError("internal", f"undecodable status from the receiver {one[:16]!r}")
+        out.append((one[0] == _STATUS_OK, one[3:3 + one[1] + (one[2] << 8)].decode(errors="replace")))
+    return out
 
 
 # ---- sender -------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class _Flight:
-    """One request on one pair, posted (or being posted) on the wire by the sender."""
+    """One payload on one pair (one request, or a batch of them), posted (or being posted) by the sender."""
 
-    op: _Op
+    ops: list[_Op]  # in payload order
+    tag: str  # the requests' ids joined by "|" (what the channel sees; FaultyChannel keys on the ids in it)
+    page_ids: torch.Tensor  # [total pages] int64 on the device: every op's pages, back to back
     layout: _Layout
     deadline: float
     checksum: bool
@@ -698,19 +721,22 @@ class _SendWorker(_PairWorker):
         super().stop()
         self.queue.put(None)
 
-    def submit(self, op: _Op) -> None:
-        op.marks["called"] = time.monotonic()
+    def submit(self, ops: list[_Op]) -> None:
+        """Post `ops` (one request, or several sent as one payload) now if the pair is idle, else queue them."""
+        now = time.monotonic()
+        for op in ops:
+            op.marks["called"] = now
         with self._lock:
             self._active += 1
             if not (self._active == 1 and self.ready.is_set() and self.broken is None):
-                self.queue.put(op)
+                self.queue.put(ops)
                 return
             # posted under the lock and queued after it: the pair's thread wakes once the bytes are on their way,
             # not in the middle of the posting (where it would take the GIL from us), and a concurrent submit
             # queues behind this transfer
             slot = _Slot()
             try:
-                slot.flight = self._post(op)
+                slot.flight = self._post(ops)
             finally:
                 self.queue.put(slot)
 
@@ -733,70 +759,84 @@ class _SendWorker(_PairWorker):
                 with self._lock:
                     self._active -= 1
 
-    def _header(self, op: _Op) -> KVHeader:
-        r, end = self.route, self.end
-        return KVHeader(request_id=op.request_id, num_pages=op.page_ids.numel(), num_layers=end.kv.num_layers,
+    def _header(self, ops: list[_Op]) -> KVHeader:
+        r, end, op = self.route, self.end, ops[0]
+        batch = tuple((o.request_id, o.page_ids.numel(), o.meta) for o in ops) if len(ops) > 1 else ()
+        return KVHeader(request_id=op.request_id, num_pages=sum(o.page_ids.numel() for o in ops),
+                        num_layers=end.kv.num_layers,
                         page_size=end.kv.page_size, head_start=r.head_start, head_end=r.head_end,
                         head_dim=end.kv.k[0].shape[3],
                         index_dim=(end.kv.index_k[end.index_layers[0]].shape[2]
                                    if r.with_index and end.index_layers else 0),
                         index_layers=end.index_layers if r.with_index else (), dtype=str(end.dtype),
                         element_size=end.kv.k[0].element_size(), max_chunk_bytes=end.config.max_chunk_bytes,
-                        checksum=end.config.verify_checksum, meta=op.meta)
+                        checksum=end.config.verify_checksum, meta=None if batch else op.meta, batch=batch)
 
-    def _post(self, op: _Op) -> _Flight | None:
+    def _post(self, ops: list[_Op]) -> _Flight | None:
         """Header, then the first chunks (up to the in-flight cap) and, when they are all, the status receive.
-        Returns None when the op ended here (aborted while queued, broken pair, a failure while posting)."""
+        The ops still PENDING go as one payload (those aborted while queued are left out). Returns None when
+        nothing is left to send (all aborted, broken pair, a failure while posting)."""
+        now = time.monotonic()
         with self.end._cond:
-            if op.state is not TransferState.PENDING:  # aborted while queued, or failed fast
-                return None
-            op.state, op.started = TransferState.TRANSFERRING, time.monotonic()
+            ops = [op for op in ops if op.state is TransferState.PENDING]  # not aborted while queued / failed fast
+            for op in ops:
+                op.state, op.started = TransferState.TRANSFERRING, now
             self.end._cond.notify_all()
+        if not ops:
+            return None
         if self.broken:
-            self.end._finish(op, TransferState.FAILED, f"pair_broken: {self.broken}")
+            for op in ops:
+                self.end._finish(op, TransferState.FAILED, f"pair_broken: {self.broken}")
             return None
         cfg = self.end.config
+        tag = "|".join(op.request_id for op in ops)
         try:
-            header = self._header(op)
+            header = self._header(ops)
             layout = self._layout(header)
         except Exception as exc:
-            self._fail(op, exc)
+            self._fail(ops, exc)
             return None
         try:
-            self.channel.post_header(header.encode(), tag=op.request_id)
+            self.channel.post_header(header.encode(), tag=tag)
         except TransferError as exc:  # nothing was posted: the peer is gone
-            self._fail(op, exc)
+            self._fail(ops, exc)
             return None
         self.seq += 1
-        op.num_bytes = header.total_bytes()
-        op.marks["header"] = time.monotonic()
-        flight = _Flight(op=op, layout=layout, deadline=op.started + cfg.timeout_s, checksum=header.checksum)
+        sent = time.monotonic()
+        for op in ops:
+            op.num_bytes = op.page_ids.numel() * header.page_bytes()
+            op.marks["header"] = sent
+        host_ids = ops[0].page_ids if len(ops) == 1 else torch.cat([op.page_ids for op in ops])
+        flight = _Flight(ops=ops, tag=tag, page_ids=host_ids, layout=layout, deadline=now + cfg.timeout_s,
+                         checksum=header.checksum)
         try:
             with self._on_stream():
-                if op.ready_event is not None:  # the pages were written on the caller's stream
-                    self._stream.wait_event(op.ready_event)
-                if op.page_ids.device != self.end.device:  # ordered before the gathers on this stream
-                    op.page_ids = op.page_ids.to(self.end.device, non_blocking=True)
+                if ops[0].ready_event is not None:  # the pages were written on the caller's stream
+                    self._stream.wait_event(ops[0].ready_event)
+                # after the header (it needs only the count), ordered before the gathers on this stream
+                flight.page_ids = host_ids.to(self.end.device, non_blocking=True)
                 if flight.checksum:
                     flight.sums = torch.empty(len(layout.sizes), dtype=torch.int64, device=self.end.device)
                 self._post_chunks(flight, block=False)
         except Exception as exc:
-            self._fail(op, exc)
+            self._fail(ops, exc)
             return None
-        op.marks["posted"] = time.monotonic()
+        posted = time.monotonic()
+        for op in ops:
+            op.marks["posted"] = posted
         return flight
 
     def _gather(self, flight: _Flight, i: int) -> torch.Tensor:
         """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA."""
         buf = torch.empty(flight.layout.sizes[i], dtype=torch.uint8, device=self.end.device)
-        flight.layout.plans[i].gather(flight.op.page_ids, buf)
+        flight.layout.plans[i].gather(flight.page_ids, buf)
         return buf
 
     def _post_chunks(self, flight: _Flight, *, block: bool) -> None:
         """Post the next chunks; at the in-flight cap stop (block=False) or wait for the oldest send (True).
         After the last chunk: the checksums (if any), then the status receive."""
         cfg, n = self.end.config, len(flight.layout.sizes)
-        rid = flight.op.request_id
+        rid = flight.tag
         while flight.next_chunk < n:
             if len(flight.sends) >= cfg.max_inflight_chunks:
                 if not block:
@@ -809,17 +849,18 @@ class _SendWorker(_PairWorker):
             flight.sends.append((self.channel.send(buf, tag=rid), buf))
             flight.next_chunk += 1
             if i == 0:
-                flight.op.marks["send0"] = time.monotonic()
+                now = time.monotonic()
+                for op in flight.ops:
+                    op.marks["send0"] = now
         if flight.checksum and not flight.sums_posted:
             flight.sends.append((self.channel.send(flight.sums, tag=rid), flight.sums))
             flight.sums_posted = True
         if flight.ack is None:
-            status = torch.empty(_STATUS_BYTES, dtype=torch.uint8, device=self.end.device)
+            status = torch.empty(_STATUS_BYTES * len(flight.ops), dtype=torch.uint8, device=self.end.device)
             flight.ack = (self.channel.recv(status, tag=rid), status)
 
     def _complete(self, flight: _Flight) -> None:
-        """Post what is left, wait for the receiver's status (it implies the sends completed), settle."""
-        op = flight.op
+        """Post what is left, wait for the receiver's status (it implies the sends completed), settle each op."""
         try:
             with self._on_stream():
                 if flight.ack is None:
@@ -827,17 +868,19 @@ class _SendWorker(_PairWorker):
                 work, status = flight.ack
                 # the peer's own timeout acts first on a silent payload; its closing then reads as our timeout
                 self.channel.wait_work(work, flight.deadline, "status", grace_s=self._grace())
-                ok, reason = _decode_status(status)
-            op.marks["acked"] = time.monotonic()
+                answers = _decode_statuses(status, len(flight.ops))
+            acked = time.monotonic()
             while flight.sends:
                 self.channel.wait_work(flight.sends.popleft()[0], flight.deadline, "send")
         except Exception as exc:
-            self._fail(op, exc)
+            self._fail(flight.ops, exc)
             return
-        if ok:
-            self.end._finish(op, TransferState.DONE)
-        else:  # the receiver refused the header or the data; it drained the payload, the pair is still usable
-            self.end._finish(op, TransferState.FAILED, f"rejected by receiver: {reason}")
+        for op, (ok, reason) in zip(flight.ops, answers):
+            op.marks["acked"] = acked
+            if ok:
+                self.end._finish(op, TransferState.DONE)
+            else:  # the receiver refused the header or the data; it drained that part, the pair is still usable
+                self.end._finish(op, TransferState.FAILED, f"rejected by receiver: {reason}")
 
     def _grace(self) -> float:
         # covers the header's trip through the store (the receiver's deadline starts when it reads the header),
@@ -855,14 +898,37 @@ class KVSender(_Endpoint):
     def send(self, request_id: str, page_ids: Sequence[int] | torch.Tensor, *,
              peers: Sequence[str] | None = None, meta: dict | None = None) -> None:
         """`meta`: a small JSON-able dict that travels in the header; the receiver's result shows it."""
-        ops = self._register(request_id, page_ids, peers, upload=False)
+        self.send_many([(request_id, page_ids, meta)], peers=peers)
+
+    def send_many(self, items: Sequence[tuple[str, Sequence[int] | torch.Tensor, dict | None]], *,
+                  peers: Sequence[str] | None = None) -> None:
+        """Send several requests (request id, page ids, meta) down each pair as one payload: one header, their
+        pages back to back, one status with an answer per request. What a prefill step that finished several
+        prompts sends: one transfer's fixed costs (header, posts, launches, the status round trip) instead of one
+        per request, which on a pair queue behind each other. Each request keeps its own state and result."""
+        per_request: list[dict[str, _Op]] = []
+        try:
+            for request_id, page_ids, meta in items:
+                ops = self._register(request_id, page_ids, peers, upload=False)
+                for op in ops.values():
+                    op.meta = meta
+                per_request.append(ops)
+        except ValueError:
+            with self._cond:  # none of them was submitted: forget the ones registered
+                for ops in per_request:
+                    self._ops.pop(next(iter(ops.values())).request_id, None)
+            raise
+        if not per_request:
+            return
         ready = None
         if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        for name, op in ops.items():
-            op.ready_event, op.meta = ready, meta
-            self._workers[name].submit(op)
+        for name in per_request[0]:
+            ops = [r[name] for r in per_request]
+            for op in ops:
+                op.ready_event = ready
+            self._workers[name].submit(ops)
 
 
 # ---- receiver -----------------------------------------------------------------------------------------------
@@ -900,24 +966,27 @@ class _RecvWorker(_PairWorker):
             if not self._receive(header, arrived):
                 return
 
-    def _claim(self, header: KVHeader) -> tuple[_Op | None, str | None]:
-        """Find the PENDING op this header is for and mark it TRANSFERRING; else say why not."""
+    def _claim(self, request_id: str, num_pages: int, problem: str | None) -> tuple[_Op | None, str | None]:
+        """Find the PENDING op of one request of a payload and mark it TRANSFERRING; else say why not.
+        `problem`: the payload's own mismatch (it refuses every request in it)."""
         end = self.end
         with end._cond:
             end._expire()
-            op = end._ops.get(header.request_id, {}).get(self.name)
+            op = end._ops.get(request_id, {}).get(self.name)
             if op is None or op.state is not TransferState.PENDING:
                 why = "not prepared" if op is None else f"{op.state.value} ({op.reason})"
-                return None, f"unknown request {header.request_id!r} on this pair: {why}"
+                return None, f"unknown request {request_id!r} on this pair: {why}"
             op.state, op.started = TransferState.TRANSFERRING, time.monotonic()
             end._cond.notify_all()
-        problem = self._mismatch(header, op)
+        if problem is None and op.page_ids.numel() != num_pages:
+            problem = f"header mismatch: num_pages {num_pages!r} != {op.page_ids.numel()!r}"
         return op, problem
 
-    def _mismatch(self, h: KVHeader, op: _Op) -> str | None:
+    def _mismatch(self, h: KVHeader) -> str | None:
+        """What about the payload as a whole differs from this pair's end (every request in it is refused)."""
         end, r = self.end, self.route
         want = {
-            "version": _HEADER_VERSION, "num_pages": op.page_ids.numel(), "num_layers": end.kv.num_layers,
+            "version": _HEADER_VERSION, "num_layers": end.kv.num_layers,
             "page_size": end.kv.page_size, "head_start": r.head_start, "head_end": r.head_end,
             "head_dim": end.kv.k[0].shape[3], "dtype": str(end.dtype),
             "index_layers": end.index_layers if r.with_index else (),
@@ -928,64 +997,91 @@ class _RecvWorker(_PairWorker):
         return f"header mismatch: {', '.join(bad)}" if bad else None
 
     def _receive(self, header: KVHeader, arrived: float) -> bool:
-        """Take one payload and answer it; returns False when the pair broke. The first receives are posted
-        before the header is checked (their sizes follow from the header alone): the bytes move meanwhile. A
-        refused payload is drained into those scratch buffers, so the pair stays in step."""
+        """Take one payload (one request, or a batch) and answer it; returns False when the pair broke. The first
+        receives are posted before the header is checked (their sizes follow from the header alone): the bytes
+        move meanwhile. A refused request's part is not written (page id -1 in the scatter; a payload refused
+        whole is drained into the scratch buffers), so the pair stays in step."""
         cfg = self.end.config
         deadline = arrived + cfg.timeout_s
         sizes = header_chunk_sizes(header)
-        op: _Op | None = None
+        items = header.items()
+        tag = "|".join(rid for rid, _n, _m in items)
+        claims: list[tuple[_Op | None, str | None]] = []
         try:
             with self._on_stream():
-                pending = deque(self._post_recv(i, n, header.request_id)
-                                for i, n in enumerate(sizes[:cfg.max_inflight_chunks]))
+                pending = deque(self._post_recv(i, n, tag) for i, n in enumerate(sizes[:cfg.max_inflight_chunks]))
                 recv0 = time.monotonic()
-                op, problem = self._claim(header)
-                plans = None
-                if op is not None:
-                    op.num_bytes = header.total_bytes()
-                    op.meta = header.meta if problem is None else None
-                    op.marks.update(header=arrived, recv0=recv0, claimed=time.monotonic())
-                    if problem is None:
-                        plans = self._layout(header).plans
+                whole = self._mismatch(header)
+                claims = [self._claim(rid, n, whole) for rid, n, _m in items]
+                claimed = time.monotonic()
+                for (op, problem), (_rid, n, meta) in zip(claims, items):
+                    if op is not None:
+                        op.num_bytes = n * header.page_bytes()
+                        op.meta = meta if problem is None else None
+                        op.marks.update(header=arrived, recv0=recv0, claimed=claimed)
+                ids, plans = self._landing_pages(header, claims)
                 sums = sent = None
                 if header.checksum:
                     sums = torch.empty(len(sizes), dtype=torch.int64, device=self.end.device)
                     sent = torch.empty(len(sizes), dtype=torch.int64, device=self.end.device)
                 next_chunk = len(pending)
                 while pending:
-                    self._land(*pending.popleft(), op, plans, sums, deadline)
+                    self._land(*pending.popleft(), ids, plans, sums, deadline)
                     if next_chunk < len(sizes):
-                        pending.append(self._post_recv(next_chunk, sizes[next_chunk], header.request_id))
+                        pending.append(self._post_recv(next_chunk, sizes[next_chunk], tag))
                         next_chunk += 1
                 if header.checksum:
-                    self.channel.order_after(self.channel.recv(sent, tag=header.request_id), deadline, "recv")
-                if op is not None:
-                    op.marks["posted"] = time.monotonic()
+                    self.channel.order_after(self.channel.recv(sent, tag=tag), deadline, "recv")
+                posted = time.monotonic()
+                for op, _problem in claims:
+                    if op is not None:
+                        op.marks["posted"] = posted
                 self._settle_stream(deadline)
-                if header.checksum and problem is None and not torch.equal(sums, sent):
-                    problem = f"checksum mismatch: sent {sent.tolist()} received {sums.tolist()}"
+                if header.checksum and not torch.equal(sums, sent):
+                    bad = f"checksum mismatch: sent {sent.tolist()} received {sums.tolist()}"
+                    claims = [(op, problem or bad) for op, problem in claims]
         except Exception as exc:  # mid-payload (wire or device error): the pair is out of step now
-            if op is not None:
-                self._fail(op, exc)
+            ops = [op for op, _problem in claims if op is not None]
+            if ops:
+                self._fail(ops, exc)
             else:
                 self._break(str(exc) if isinstance(exc, TransferError) else f"internal: {exc}")
             return False
-        ok, reason = problem is None, problem
-        if op is not None:
-            op.marks["landed"] = time.monotonic()
-            with self.end._cond:
-                if op.aborted:
-                    ok, reason = False, "aborted on the receiving side"
-            self.end._finish(op, TransferState.DONE if problem is None else TransferState.FAILED, problem)
+        answers = []
+        landed = time.monotonic()
+        for op, problem in claims:
+            ok, reason = problem is None, problem
+            if op is not None:
+                op.marks["landed"] = landed
+                with self.end._cond:
+                    if op.aborted:
+                        ok, reason = False, "aborted on the receiving side"
+                self.end._finish(op, TransferState.DONE if problem is None else TransferState.FAILED, problem)
+            answers.append((ok, reason))
         try:
             with self._on_stream():
-                status = self._ok_status() if ok else _encode_status(ok, reason, self.end.device)
-                self.channel.wait_work(self.channel.send(status, tag=header.request_id), deadline, "status")
+                if len(answers) == 1 and answers[0][0]:
+                    status = self._ok_status()
+                else:
+                    status = _encode_statuses(answers, self.end.device)
+                self.channel.wait_work(self.channel.send(status, tag=tag), deadline, "status")
         except TransferError as exc:
             self._break(str(exc))
             return False
         return True
+
+    def _landing_pages(self, header: KVHeader, claims: list) -> tuple[torch.Tensor | None, list | None]:
+        """(page ids the payload's pages land in, the scatter plans), or (None, None) when nothing is accepted
+        (the payload is drained). A batch with refused requests gets page id -1 for their pages (not written)."""
+        accepted = [op is not None and problem is None for op, problem in claims]
+        if not any(accepted):
+            return None, None
+        plans = self._layout(header).plans
+        if len(claims) == 1:
+            return claims[0][0].page_ids, plans
+        parts = [op.page_ids if ok else torch.full((n,), -1, dtype=torch.int64, device=self.end.device)
+                 for (op, _p), ok, (_rid, n, _m) in zip(claims, accepted, header.items())]
+        return torch.cat(parts), plans
 
     def _post_recv(self, i: int, nbytes: int, tag: str) -> tuple[int, torch.Tensor, Any]:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.end.device)
@@ -998,14 +1094,15 @@ class _RecvWorker(_PairWorker):
             self._ok = _encode_status(True, None, self.end.device)
         return self._ok
 
-    def _land(self, i: int, buf: torch.Tensor, work, op: _Op | None, plans, sums, deadline: float) -> None:
+    def _land(self, i: int, buf: torch.Tensor, work, ids: torch.Tensor | None, plans, sums,
+              deadline: float) -> None:
         """Scatter received chunk i into the prepared pages (unless refused), ordered after its receive: one
         launch, queued on the copy stream without waiting for the bytes on NCCL."""
         self.channel.order_after(work, deadline, "recv")
         if sums is not None:
             sums[i] = _words_sum(buf)
         if plans is not None:
-            plans[i].scatter(op.page_ids, buf)
+            plans[i].scatter(ids, buf)
 
 
 class KVReceiver(_Endpoint):
@@ -1041,6 +1138,7 @@ class _DoneWork:
 class FaultyChannel:
     """Wraps a real `PairChannel` (used on the sending side) and breaks chosen requests, keyed by request id:
 
+    (a payload of several requests breaks as a whole when any of them has a fault)
     "peer_gone":       the header cannot be delivered (PeerGone) - nothing reaches the receiver;
     "corrupt_header":  the header names a wrong dtype (same element size) - the receiver refuses and drains;
     "corrupt_payload": one byte of the first chunk flips on the wire - caught by the checksum;
@@ -1061,8 +1159,13 @@ class FaultyChannel:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def _fault(self, tag: str) -> str | None:
+        """The fault of the first request in `tag` (a payload's request ids joined by "|") that has one: a
+        batched payload breaks as a whole."""
+        return next((self.faults[rid] for rid in tag.split("|") if rid in self.faults), None)
+
     def post_header(self, value: bytes, *, tag: str = "") -> None:
-        fault = self.faults.get(tag)
+        fault = self._fault(tag)
         if fault == "peer_gone":
             raise PeerGone(f"injected for {tag!r}")
         if fault == "corrupt_header":
@@ -1074,7 +1177,7 @@ class FaultyChannel:
         self.inner.post_header(value, tag=tag)
 
     def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
-        fault = self.faults.get(tag)
+        fault = self._fault(tag)
         if fault == "drop_payload":
             return _DoneWork()
         if fault == "corrupt_payload" and tag not in self._flipped:
@@ -1234,13 +1337,19 @@ class TransferAgent:
         self.end.prepare_receive(transfer_id, page_ids, peers=peers)
 
     def send(self, transfer_id: str, page_ids: Sequence[int], group: str, meta: dict | None = None) -> None:
+        self.send_many([(transfer_id, page_ids, meta)], group)
+
+    def send_many(self, items: Sequence[tuple[str, Sequence[int], dict | None]], group: str) -> None:
+        """Send several requests' pages (transfer id, page ids, meta) to `group` as one payload per pair."""
         peers = self._peers(group)
         if not peers:  # another replica of this shard's heads sends them: nothing to move from here
-            if transfer_id in self._idle or transfer_id in self.end._ops:
-                raise ValueError(f"request_id: {transfer_id!r} already has a transfer on this prefill")
-            self._idle[transfer_id] = len(page_ids)
+            busy = [t for t, _ids, _m in items if t in self._idle or t in self.end._ops]
+            if busy:
+                raise ValueError(f"request_id: {busy[0]!r} already has a transfer on this prefill")
+            for transfer_id, page_ids, _meta in items:
+                self._idle[transfer_id] = len(page_ids)
             return
-        self.end.send(transfer_id, page_ids, peers=peers, meta=meta)
+        self.end.send_many(items, peers=peers)
 
     def _idle_result(self, transfer_id: str) -> TransferResult:
         return TransferResult(request_id=transfer_id, state=TransferState.DONE, settled=True,

@@ -93,6 +93,27 @@ def test_scatter_writes_only_the_listed_pages_and_heads():
     scatter_pages_from_ref(_views(ref_k, ref_v, ref_ik), ids_dst, buf)
     assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(dk + dv + [dik], ref_k + ref_v + [ref_ik]))
 @interpreter
+def test_scatter_skips_negative_page_ids():
+    """A batched KV transfer drops a refused request's rows by giving them page id -1: nothing is written for
+    them, the other rows land as usual (kernel and reference alike)."""
+    k, v, ik = _caches(3)
+    src_views = _views(k, v, ik)
+    ids_src = torch.tensor([4, 1, 6, 0], dtype=torch.int64)
+    buf = torch.empty(sum(4 * page_row_bytes(c) for c in src_views), dtype=torch.uint8)
+    gather_pages_into(src_views, ids_src, buf, backend="triton")
+    ids_dst = torch.tensor([8, -1, 5, -1], dtype=torch.int64)
+    for backend in ("triton", "ref"):
+        dk, dv, dik = _caches(4)
+        before = [t.clone() for t in dk + dv + [dik]]
+        scatter_pages_from(_views(dk, dv, dik), ids_dst, buf, backend=backend)
+        for d, s in zip(_views(dk, dv, dik), src_views):
+            assert torch.equal(_bytes(d[[8, 5]]), _bytes(s[[4, 6]])), backend
+        others = [i for i in range(9) if i not in (8, 5)]
+        for now, old in zip(dk + dv + [dik], before):
+            assert torch.equal(_bytes(now[others]), _bytes(old[others])), backend
+
+
+@interpreter
 def test_rows_split_over_several_programs_and_narrow_words():
     """Rows larger than one loop step split over grid z (and a partial last part); 2-byte words on odd dims."""
     gen = torch.Generator().manual_seed(5)

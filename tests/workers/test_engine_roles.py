@@ -81,6 +81,7 @@ def test_disaggregated_equals_unified(pair, tiny_ckpt):
         want.update({o.request_id[1:]: o for o in unified.step() if o.finished})
 
     ids = [str(i) for i in range(len(LENGTHS))]
+    headers_before = sum(w.seq for w in prefill.agents[0].end._workers.values())
     for rid, p, sp in zip(ids, prompts(), params):
         if sp.max_tokens > 1:
             submit(prefill, decode, rid, p, sp)
@@ -89,6 +90,8 @@ def test_disaggregated_equals_unified(pair, tiny_ckpt):
     handed = [r for r, sp in zip(ids, params) if sp.max_tokens > 1]
     st = drive(prefill, decode, lambda s: set(s["out"]) >= set(handed) and len(s["outcomes"]) == len(handed))
     assert all(ok for ok, _ in st["outcomes"].values()), st["outcomes"]
+    # the prompts that finish in one prefill step go as one payload (the first step finishes four prompts)
+    assert sum(w.seq for w in prefill.agents[0].end._workers.values()) - headers_before < len(handed)
     for rid in ids:
         w = want[rid].outputs[0]
         first = st["first"][rid].outputs[0]

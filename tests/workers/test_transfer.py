@@ -311,6 +311,54 @@ def test_one_header_per_transfer_posted_from_the_callers_thread_with_phase_marks
         sender.close(), receiver.close()
 
 
+def test_send_many_is_one_payload_and_a_refused_request_in_it_writes_nothing():
+    """Several requests in one `send_many`: one header and one payload on the pair, each request its own result,
+    bytes and meta; one of them aborted on the receiving side first: its pages stay untouched and its sender
+    learns why, the others land, and the pair goes on."""
+    src, dst = _filled_cache(16, seed=21), KVCache.allocate(_tiny(), 20)
+    cfg = TransferConfig(timeout_s=20, max_chunk_bytes=30_000)  # a chunk boundary inside the batch
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    rx, tx = _pair()
+    tx_count = _CountingChannel(tx)
+    receiver.add_peer("p0", rx, plan_routes(2, 1, 1)[0])
+    sender.add_peer("d0", tx_count, plan_routes(2, 1, 1)[0])
+    page = KVCache.bytes_per_page(_tiny())
+    try:
+        sender.wait_ready(30), receiver.wait_ready(30)
+        batch = [("b-0", [3, 1], [10, 4], {"first": 7}), ("b-1", [9], [0], None), ("b-2", [2, 5, 6], [8, 2, 19], {})]
+        for rid, _s, d_ids, _m in batch:
+            receiver.prepare_receive(rid, d_ids)
+        sender.send_many([(rid, s_ids, meta) for rid, s_ids, _d, meta in batch])
+        for rid, s_ids, d_ids, meta in batch:
+            s, r = sender.wait(rid, 20), receiver.wait(rid, 20)
+            assert (s.state, r.state) == (TransferState.DONE, TransferState.DONE), (s, r)
+            assert s.num_bytes == r.num_bytes == len(s_ids) * page and r.meta == meta
+            _assert_pages_equal(dst, d_ids, src, s_ids)
+            sender.release(rid), receiver.release(rid)
+        assert tx_count.header_calls == [("post", "b-0|b-1|b-2")]
+
+        untouched = [t.clone() for t in dst.k + dst.v]
+        for rid, d_ids in (("c-0", [11]), ("c-1", [12, 13]), ("c-2", [14])):
+            receiver.prepare_receive(rid, d_ids)
+        assert receiver.abort("c-1")  # the client left before its KV came
+        sender.send_many([("c-0", [1], None), ("c-1", [2, 3], None), ("c-2", [4], None)])
+        assert sender.wait("c-1", 20).state is TransferState.FAILED
+        assert "c-1" in sender.result("c-1").reason and "aborted" in sender.result("c-1").reason
+        for rid, s_ids, d_ids in (("c-0", [1], [11]), ("c-2", [4], [14])):
+            assert sender.wait(rid, 20).state is TransferState.DONE and receiver.wait(rid, 20).state \
+                is TransferState.DONE
+            _assert_pages_equal(dst, d_ids, src, s_ids)
+        for now, before in zip(dst.k + dst.v, untouched):
+            assert torch.equal(now[[12, 13]], before[[12, 13]])  # the aborted request's pages
+        # the pair is still in step
+        receiver.prepare_receive("after", [15])
+        sender.send("after", [7])
+        assert sender.wait("after", 20).state is TransferState.DONE
+        _assert_pages_equal(dst, [15], src, [7])
+    finally:
+        sender.close(), receiver.close()
+
+
 def test_coalesced_is_the_default_and_per_page_messages_are_measured():
     """Default config: one message per request here. The same transfer with one message per page per layer
     (and family) is timed next to it and printed; no timing assertion (shared CI cores)."""
