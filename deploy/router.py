@@ -323,7 +323,7 @@ class Router:
                 tid = sub.request_id
                 p = self._pick("prefill")
                 touched.append((p, tid))  # from here an abort must reach it (a placement is held there)
-                p_rank = await self._place(p, tid)
+                p_rank = await self._place(p, sub)
                 if isinstance(p_rank, EngineError):
                     done = True
                     yield p_rank
@@ -431,13 +431,14 @@ class Router:
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
 
-    async def _place(self, p: ReplicaKey, tid: str) -> int | None | EngineError:
-        """The dp rank of prefill replica `p` that will run `tid` (None without attention DP): the decode side
-        must know it before the prefill runs, to prepare the receive from that rank's shards."""
+    async def _place(self, p: ReplicaKey, req: EngineRequest) -> int | None | EngineError:
+        """The dp rank of prefill replica `p` that will run `req` (None without attention DP): the decode side
+        must know it before the prefill runs, to prepare the receive from that rank's shards. The prompt length
+        goes along: the replica balances its dp ranks by prompt tokens still to prefill, not by requests."""
         if self._config.prefill.dp == 1:
             return None
         try:
-            return await self._engines[p].place.remote(tid)
+            return await self._engines[p].place.remote(req.request_id, len(req.prompt_token_ids))
         except Exception as e:  # that replica is gone
             return EngineError(status=503, message=f"prefill replica {p[1]} unreachable ({type(e).__name__})",
                                code="engine_unavailable", retry_after=1.0)

@@ -469,16 +469,17 @@ class EngineServer:
                 self._engine.abort(req.request_id)
             self._counters["finished" if ended else "rejected" if refused else "aborted"] += 1
 
-    async def place(self, request_id: str) -> int | None:
-        """Prefill with attention DP: the dp rank that will run `request_id` (held for its `prefill` call; an
-        `abort` lets it go), so the decode replica can prepare the receive from that rank's shards. None for a
-        dp=1 engine (or one not loaded: its `prefill` answers why). Not through the step thread: a placement
-        must not wait for the prefill step in progress."""
+    async def place(self, request_id: str, num_tokens: int | None = None) -> int | None:
+        """Prefill with attention DP: the dp rank that will run `request_id`, a prompt of `num_tokens` tokens
+        (the rank with the fewest prompt tokens still to prefill; held for its `prefill` call; an `abort` lets
+        it go), so the decode replica can prepare the receive from that rank's shards. None for a dp=1 engine
+        (or one not loaded: its `prefill` answers why). Not through the step thread: a placement must not wait
+        for the prefill step in progress."""
         engine = getattr(self._engine, "engine", None)
         place = getattr(engine, "place_request", None)  # DPEngine only
         if place is None:
             return None
-        rank = place(request_id)
+        rank = place(request_id, num_tokens)
         self._dp_admissions[rank] = self._dp_admissions.get(rank, 0) + 1
         return rank
 

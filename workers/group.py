@@ -574,6 +574,15 @@ class _DPRankExecutor:
         pass  # the group belongs to the DPEngine
 
 
+@dataclass(frozen=True, slots=True)
+class _Placement:
+    """Prefill role: a dp rank held for a request between `place_request` and `add_request`."""
+
+    dp_rank: int
+    when: float  # time.monotonic() of the placement: it is forgotten after the transfer lease
+    num_tokens: int  # the prompt tokens it will prefill there (its load until it is added)
+
+
 @dataclass(frozen=True)
 class _DPSchedulers:
     schedulers: list
@@ -631,11 +640,11 @@ class DPEngine(Engine):
         self.page_size = first.page_size
         self.eos_token_ids = first.eos_token_ids
         self.transfer_config = first.transfer_config
-        # request id -> its dp rank, while in flight; prefill: request id -> (dp rank, when) placed but not added
-        # yet. The server places from its event loop while the step thread steps (through the step thread a
-        # placement would wait out a whole prefill step), so both maps and their readers go under this lock.
+        # request id -> its dp rank, while in flight; prefill: request id -> its placement, not added yet. The
+        # server places from its event loop while the step thread steps (through the step thread a placement
+        # would wait out a whole prefill step), so both maps and their readers go under this lock.
         self._owner: dict[str, int] = {}
-        self._placed: dict[str, tuple[int, float]] = {}
+        self._placed: dict[str, _Placement] = {}
         self._load_lock = threading.Lock()
         self._step_stats: list[StepStats] = []
         self.num_steps = 0
@@ -645,16 +654,48 @@ class DPEngine(Engine):
         self.cores[0].validate_request(prompt_token_ids, params)
 
     def least_loaded_rank(self) -> int:
-        """The dp rank with the fewest requests in flight or placed (then the most free pages, then the lowest
-        rank)."""
+        """The least loaded dp rank: the fewest prompt tokens still to prefill (prefill role) or the fewest
+        requests in flight (decode, unified), placed ones included; then the most free pages, then the lowest
+        rank."""
         return self._ranks_by_load()[0]
 
     def _ranks_by_load(self) -> list[int]:
+        # A prefill rank's step time grows with the prompt tokens it has to compute, so a 1,800-token prompt
+        # weighs 360 five-token ones there. Decode and unified keep counting requests: a decoding request costs
+        # one token per step whatever its prompt length (its pages are the tie-break), and a unified request
+        # decodes for far longer than it prefills.
+        load = self.pending_prefill_tokens() if self.role == "prefill" else self._requests_by_rank()
+        return sorted(range(len(self.cores)), key=lambda d: (load[d], -self.cores[d].pages.num_free_pages, d))
+
+    def _requests_by_rank(self) -> list[int]:
         load = [0] * len(self.cores)
         with self._load_lock:
-            for d in (*self._owner.values(), *(d for d, _t in self._placed.values())):
+            for d in (*self._owner.values(), *(p.dp_rank for p in self._placed.values())):
                 load[d] += 1
-        return sorted(range(len(self.cores)), key=lambda d: (load[d], -self.cores[d].pages.num_free_pages, d))
+        return load
+
+    def pending_prefill_tokens(self) -> list[int]:
+        """Per dp rank: the prompt tokens its requests have yet to compute, plus those of the requests placed
+        there and not added yet (`place_request`'s `num_tokens`). Thread-safe, like `place_request`."""
+        load = [0] * len(self.cores)
+        with self._load_lock:
+            for p in self._placed.values():
+                load[p.dp_rank] += p.num_tokens
+            # Read from another thread than the step thread: a dict `get` and two int attributes of the request's
+            # first sequence are each atomic under the GIL (no iteration over the core's dicts, which the step
+            # changes under us), and the sequence of an id in `_owner` exists (the core added it first). A count
+            # one step old is fine for balancing.
+            for rid, d in self._owner.items():
+                req = self.cores[d].scheduler.requests.get(rid)
+                if req is None:
+                    # past its prompt: handed off (its KV travelling, no more compute here), finished or aborted
+                    continue
+                # Only sample 0 prefills the prompt (n > 1 samples fork from its pages and recompute at most a
+                # page's tail); a preempted sequence is back at 0 computed tokens and weighs its whole prompt
+                # again, a prefix-cache hit starts past the cached tokens; one decoding here weighs 0.
+                seq = req.seqs[0]
+                load[d] += max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+        return load
 
     def _set_owner(self, request_id: str, dp_rank: int | None) -> int | None:
         """Record (or with None drop) a request's dp rank; returns the one it had."""
@@ -664,24 +705,29 @@ class DPEngine(Engine):
                 self._owner[request_id] = dp_rank
             return before
 
-    def place_request(self, request_id: str) -> int:
-        """Prefill role: choose the dp rank that will run `request_id` (the least loaded; placed requests count
-        as load) and hold it for `add_request`. The caller has the decode side prepare the receive from that
-        dp rank's shards (`TransferAgent.dp_group(<this group's name>, rank)`) before adding the request.
+    def place_request(self, request_id: str, num_tokens: int | None = None) -> int:
+        """Prefill role: choose the dp rank that will run `request_id`, a prompt of `num_tokens` tokens (the
+        least loaded by prompt tokens still to prefill, `pending_prefill_tokens`), and hold it for
+        `add_request`; until then the placement weighs `num_tokens` there (None: 1, for callers that do not
+        say). The caller has the decode side prepare the receive from that dp rank's shards
+        (`TransferAgent.dp_group(<this group's name>, rank)`) before adding the request.
         Thread-safe (the one call that may come from another thread than the one stepping). A placement that
         is neither added nor aborted within the transfer lease is forgotten (its router went away)."""
         if self.role != "prefill":
             raise ValueError(f"role: only a prefill engine places requests on a dp rank (this one is {self.role})")
+        if num_tokens is not None and num_tokens < 0:
+            raise ValueError(f"num_tokens: a prompt has 0 or more tokens, got {num_tokens}")
+        weight = 1 if num_tokens is None else num_tokens
         now = time.monotonic()
         with self._load_lock:
             if request_id in self._owner or request_id in self._placed:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
-            for rid, (_d, t) in list(self._placed.items()):
-                if now - t > self.transfer_config.lease_s:
+            for rid, p in list(self._placed.items()):
+                if now - p.when > self.transfer_config.lease_s:
                     del self._placed[rid]
         d = self._ranks_by_load()[0]
         with self._load_lock:
-            self._placed[request_id] = (d, now)
+            self._placed[request_id] = _Placement(dp_rank=d, when=now, num_tokens=weight)
         return d
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -692,22 +738,31 @@ class DPEngine(Engine):
         with self._load_lock:
             if request_id in self._owner:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
-            placed = self._placed.pop(request_id, None)
+            placed = self._placed.get(request_id)
         if handoff_to is not None and placed is None and self.role == "prefill":
             raise ValueError(f"handoff_to: a prefill engine with dp={len(self.cores)} hands off only requests "
                              f"placed first (place_request): the decode side prepares the receive from the "
                              f"shards of the dp rank that runs it")
-        d = placed[0] if placed is not None else self.least_loaded_rank()
-        self.cores[d].add_request(request_id, prompt_token_ids, params, prompt=prompt, arrival_time=arrival_time,
-                                  handoff_to=handoff_to, transfer_id=transfer_id)
-        self._set_owner(request_id, d)
+        d = placed.dp_rank if placed is not None else self.least_loaded_rank()
+        try:
+            self.cores[d].add_request(request_id, prompt_token_ids, params, prompt=prompt,
+                                      arrival_time=arrival_time, handoff_to=handoff_to, transfer_id=transfer_id)
+        except BaseException:
+            with self._load_lock:
+                self._placed.pop(request_id, None)
+            raise
+        # The placement weighs until the core holds the request, then the owner does, in one step: a concurrent
+        # `place_request` never finds the request in neither map (weightless) nor in both (counted twice).
+        with self._load_lock:
+            self._placed.pop(request_id, None)
+            self._owner[request_id] = d
 
     def dp_rank_of(self, request_id: str) -> int | None:
         """The dp rank that holds the request (or has it placed)."""
         with self._load_lock:
             d = self._owner.get(request_id)
             placed = self._placed.get(request_id)
-        return d if d is not None else placed[0] if placed is not None else None
+        return d if d is not None else placed.dp_rank if placed is not None else None
 
     def abort_request(self, request_id: str) -> bool:
         with self._load_lock:

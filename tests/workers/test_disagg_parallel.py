@@ -217,12 +217,42 @@ def _prefill_dp_edges(engines: dict, groups: dict) -> dict:
     prefill.add_request("left", prompt, sp, handoff_to=d_group)
     _drive(prefill, decode, lambda s: "left" in s["first"], on_first=lambda o: False)
     out["owner_after_first_token"] = [q, prefill.dp_rank_of("left")]
+    out["pending_after_first_token"] = prefill.pending_prefill_tokens()  # past its prompt: weighs nothing
     out["aborted"] = [prefill.abort_request("left"), decode.abort_request("left")]
     _settle(prefill, decode)
     prefill.pop_transfer_stats()
     prefill.pop_transfer_outcomes()
     decode.pop_failures()
     out["prefill"], out["decode"] = _leftovers(prefill), _leftovers(decode)
+    return out
+
+
+def _prefill_dp_token_placement(engines: dict) -> dict:
+    """Prefill dp placement weighs the prompt tokens still to prefill, not requests: after a 150-token prompt,
+    two 5-token ones both go to the other rank (counting requests, the second would join the long one). Held
+    placements weigh their `num_tokens` (1 unsaid), added requests their prompt tokens not computed yet: after
+    one step (128-token budget) the long prompt has 22 left and the short ones, decoding now, none."""
+    from workers.request import SamplingParams
+
+    prefill = engines["prefill_dp2"]
+    rng = random.Random(17)  # prompts no earlier case ran: no prefix-cache hit shortens them
+    long, short_a, short_b = ([rng.randrange(3, 384) for _ in range(n)] for n in (150, 5, 5))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = {"before": prefill.pending_prefill_tokens()}
+    prompts = {"long": long, "short-a": short_a, "short-b": short_b}
+    out["ranks"] = [prefill.place_request(rid, len(prompt)) for rid, prompt in prompts.items()]
+    out["held"] = prefill.pending_prefill_tokens()
+    for rid, prompt in prompts.items():
+        prefill.add_request(rid, prompt, sp)
+    out["owned"] = prefill.pending_prefill_tokens()
+    out["unsaid"] = prefill.place_request("unsaid")
+    out["with_unsaid"] = prefill.pending_prefill_tokens()
+    prefill.step()
+    out["after_step"] = prefill.pending_prefill_tokens()
+    out["owners_after_step"] = [prefill.dp_rank_of(rid) for rid in prompts]
+    out["aborted"] = [prefill.abort_request(rid) for rid in (*prompts, "unsaid")]
+    out["after_abort"] = prefill.pending_prefill_tokens()
+    out["prefill"] = _leftovers(prefill)
     return out
 
 
@@ -328,6 +358,9 @@ def drive(ckpt: str) -> dict:
         result["prefill_dp2_counters"] = engines["prefill_dp2"].group.call("counters")
         result["prefill_dp2_steps"] = engines["prefill_dp2"].num_steps
         result["prefill_dp_edges"] = _prefill_dp_edges(engines, groups)
+        t = time.monotonic()
+        result["prefill_dp_tokens"] = _prefill_dp_token_placement(engines)
+        result["prefill_dp_tokens"]["seconds"] = time.monotonic() - t
         result["poll_ms"] = _poll_round_trip_ms(engines["prefill_tp2"])
         result["refused"] = _refused_from_tp2(engines, groups)
         result["abort_dp"] = _abort_on_dp_rank(engines, groups)
@@ -429,8 +462,8 @@ def test_requests_land_on_both_dp_ranks(run, case):
 
 @pytest.mark.parametrize("case", ["dp2->tp1", "dp2->dp2"])
 def test_prefill_dp_ranks_each_send_what_they_ran(run, case):
-    """Placed on the least loaded prefill dp rank: the 8 requests alternate; each handed-off request's KV went
-    out from the shards of the rank it was placed on."""
+    """Placed on the prefill dp rank with the fewest prompt tokens to prefill (the prompts grow, so the 8
+    requests alternate); each handed-off request's KV went out from the shards of the rank it was placed on."""
     got = run["cases"][case]
     placement = got["placement"]
     assert list(placement.values()) == [0, 1] * 4, placement
@@ -455,9 +488,28 @@ def test_prefill_dp_placement_edges(run):
     q = e["placed_then_aborted"][0]
     assert e["placed_then_aborted"] == [q, q, True, None]
     assert e["owner_after_first_token"][1] == e["owner_after_first_token"][0]  # kept while its KV travels
+    assert e["pending_after_first_token"] == [0, 0]  # handed off: no prompt token left to compute
     assert e["aborted"] == [True, True]
     _assert_no_leftovers(e["prefill"], "edges prefill_dp2")
     _assert_no_leftovers(e["decode"], "edges decode_tp1")
+
+
+def test_prefill_dp_placement_weighs_prompt_tokens(run):
+    t = run["prefill_dp_tokens"]
+    assert t["before"] == [0, 0]
+    q, other = t["ranks"][0], 1 - t["ranks"][0]  # the first goes where the pages are freer: either rank
+    assert t["ranks"] == [q, other, other], t["ranks"]  # counting requests: [q, other, q]
+
+    def on(long_side: int, other_side: int) -> list[int]:
+        return [long_side, other_side] if q == 0 else [other_side, long_side]
+
+    assert t["held"] == on(150, 10)
+    assert t["owned"] == on(150, 10)  # added, nothing computed yet: the cores' prompts, no placement left
+    assert t["unsaid"] == other and t["with_unsaid"] == on(150, 11)  # a placement without num_tokens weighs 1
+    assert t["after_step"] == on(150 - 128, 1)  # one chunk of the long prompt; the short ones decode now
+    assert t["owners_after_step"] == [q, other, other]
+    assert t["aborted"] == [True] * 4 and t["after_abort"] == [0, 0]
+    _assert_no_leftovers(t["prefill"], "token placement prefill_dp2")
 
 
 def test_refused_transfer_from_a_tp_group_frees_both_sides(run):
@@ -492,6 +544,7 @@ def test_full_dp_pools_refuse_and_reserve_nothing(run):
 def test_report_timings(run):
     print(f"\nstart {run['start_s']:.1f} s, pairs {run['pairs_s']:.1f} s, "
           + ", ".join(f"{c} {v['seconds']:.2f} s" for c, v in run["cases"].items())
+          + f", prefill dp token placement {run['prefill_dp_tokens']['seconds']:.2f} s"
           + f", driver {run['driver_s']:.1f} s, wall {run['wall_s']:.1f} s; tp2 transfer poll "
           f"{run['poll_ms']:.2f} ms")
     assert not run.get("shutdown_errors"), run.get("shutdown_errors")
