@@ -26,7 +26,6 @@ import dataclasses
 import pickle
 import threading
 import time
-from collections import ChainMap
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
