@@ -249,9 +249,11 @@ class _Subscription:
         self._open = asyncio.get_running_loop().create_future()  # done once the replica took the subscription
         self._task = asyncio.ensure_future(self._run())
 
-    async def start(self, r: Redirect, queue: EventQueue) -> EngineChunk | EngineError:
-        """Start the redirected request on the replica: its first event; the rest goes to `queue` (registered
-        first: later events may come through the subscription before the first event's answer)."""
+    async def start(self, r: Redirect, queue: EventQueue) -> EngineChunk | EngineError | None:
+        """Start the redirected request on the replica; its events go to `queue` (registered first: they may come
+        through the subscription before the call's answer). None: started (every event comes through `queue`);
+        else the replica's refusal, or its first event (a replica that answers it: nothing more of that one
+        goes to `queue` when it ends the request)."""
         await asyncio.shield(self._open)
         self._queues[r.request_id] = queue
         try:
@@ -259,7 +261,7 @@ class _Subscription:
         except BaseException:
             self._queues.pop(r.request_id, None)
             raise
-        if isinstance(first, EngineError) or first.finished:
+        if first is not None and (isinstance(first, EngineError) or first.finished):
             self._queues.pop(r.request_id, None)
             if isinstance(first, EngineError) and first.code == "engine_unavailable":
                 self.close()  # the replica lost this subscription: the next request opens a new one
@@ -310,15 +312,16 @@ class _Engines:
         self._flush: asyncio.TimerHandle | None = None
 
     async def stream(self, r: Redirect, owner: "_Stream") -> AsyncIterator[EngineChunk | EngineError]:
-        """The redirected request's events: its first event from `start`, the rest through the subscription."""
+        """The redirected request's events, through the subscription (`start` starts it)."""
         sub = self._subscription(r)
         queue = EventQueue()
         owner.started = r
         try:
             first = await sub.start(r, queue)
-            yield first
-            if isinstance(first, EngineError) or first.finished:
-                return
+            if first is not None:
+                yield first
+                if isinstance(first, EngineError) or first.finished:
+                    return
             async for event in queue:
                 yield event
         finally:

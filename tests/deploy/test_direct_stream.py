@@ -79,8 +79,8 @@ def counters(serve_app) -> dict:
 
 
 def test_a_subscription_carries_every_request_started_on_it(serve_app):
-    """Two requests started for one subscriber: `start` answers each one's first token, the rest of both comes
-    through the one subscription stream, equal to their relayed streams."""
+    """Two requests started for one subscriber: `start` answers None (started), and all of both comes through
+    the one subscription stream, first tokens included, equal to their relayed streams."""
     serve_app.wait_idle()
     router = serve_app.router()
     reqs = [request("sub-a", 12), EngineRequest(request_id="sub-b", prompt_token_ids=PROMPT[:17],
@@ -92,8 +92,8 @@ def test_a_subscription_carries_every_request_started_on_it(serve_app):
     server = engine(serve_app)
     sub = server.options(stream=True).subscribe.remote("test-subscriber")
     assert next(sub) == []  # subscribed
-    firsts = [server.start.remote("test-subscriber", "generate", (r,)).result() for r in reqs]
-    got = {r.request_id: tokens([f]) for r, f in zip(reqs, firsts)}
+    assert [server.start.remote("test-subscriber", "generate", (r,)).result() for r in reqs] == [None, None]
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
     done: set[str] = set()
     while done != set(got):
         for rid, event in next(sub):
@@ -111,9 +111,9 @@ def test_leaving_a_subscription_aborts_its_requests_and_frees_pages(serve_app):
     server = engine(serve_app)
     sub = server.options(stream=True).subscribe.remote("leaving")
     assert next(sub) == []
-    first = server.start.remote("leaving", "generate", (request("long", 400),)).result()
-    assert isinstance(first, EngineChunk) and not first.finished
-    next(sub)  # it is streaming
+    assert server.start.remote("leaving", "generate", (request("long", 400),)).result() is None
+    while not any(isinstance(e, EngineChunk) and e.samples for _rid, e in next(sub)):
+        pass  # it is streaming
     sub.cancel()
     serve_app.wait_idle(timeout=30)  # aborted, pages free
     assert counters(serve_app)["aborted"] == before["aborted"] + 1
