@@ -174,4 +174,12 @@ def test_gpu_one_launch_equals_reference_at_m3_slice_shapes():
         dst = [torch.zeros(t.shape[0], *t.shape[1:], dtype=t.dtype, device="cuda") for t in views]
         PageCopyPlan(dst, 40).scatter(ids, got)
         assert all(torch.equal(d[ids], s[ids].contiguous()) for d, s in zip(dst, views))
+        # every third row dropped (page id -1, a refused request of a batch): those pages stay zero
+        dropped = ids.clone()
+        dropped[::3] = -1
+        dst = [torch.zeros_like(d) for d in dst]
+        PageCopyPlan(dst, 40).scatter(dropped, got)
+        kept = dropped[dropped >= 0]
+        assert all(torch.equal(d[kept], s[kept].contiguous()) for d, s in zip(dst, views))
+        assert all(not d[ids[::3]].any() for d in dst)
         assert pc.triton_failure is None
