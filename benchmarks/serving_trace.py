@@ -198,6 +198,13 @@ class Replica:
     def serve_mark(self, kind: str, rid: str) -> float | None:
         return self._serve.get((kind, rid))
 
+    def tokens_before(self, req: dict) -> int:
+        """Output tokens the client got from elsewhere before this replica's chunks of request `req` (1 on a
+        decode replica whose stream opened after the prefill's first token went out through the router; 0 when
+        its stream carried the first token too, and on a unified replica)."""
+        missing = sum(token_counts(req)) - sum(n for _t, n in self._chunks.get(req["id"], ()))
+        return min(max(missing, 0), 1)  # more missing: this replica's marks are incomplete, not another source
+
     def chunk_left_at(self, rid: str, cum_tokens: int, first: int = 0) -> float | None:
         """When the chunk that brought request `rid` to `cum_tokens` output tokens left this replica (`first`:
         tokens the client had before this replica's chunks, 1 on a decode replica)."""
@@ -291,7 +298,8 @@ def handoff_split(req: dict, *, prefill: Replica | None = None, decode: Replica 
               "settled_seen": prefill.mark("settled", rid), "outcome_left": prefill.serve_mark("outcome", rid),
               "decode_called": decode.serve_mark("decode", rid), "first_known": decode.mark("first_known", rid),
               "activated": activated, "decode_step_start": d["start"], "decode_step_end": d["end"],
-              "token2_left": decode.chunk_left_at(rid, 1 + token_counts(req)[1], first=1), "client_token1": c1, "client_token2": c2}
+              "token2_left": decode.chunk_left_at(rid, 1 + token_counts(req)[1], first=decode.tokens_before(req)),
+              "client_token1": c1, "client_token2": c2}
     return {"id": rid, "gap_ms": _ms(c2 - c1), "segments_ms": {k: _ms(v) for k, v in seg.items()},
             "events_ms": {k: _ms(None if v is None else v - p["end"]) for k, v in events.items()}}
 
@@ -312,15 +320,16 @@ def _summary(splits: Sequence[dict], key: str) -> dict[str, dict]:
     return {k: dist_ms([s[key][k] / 1e3 for s in splits if s[key].get(k) is not None]) for k in names}
 
 
-def serve_hops(reqs: Sequence[dict], producer: Replica, *, first: int = 0) -> dict[str, dict]:
+def serve_hops(reqs: Sequence[dict], producer: Replica) -> dict[str, dict]:
     """Per chunk, after the engine step that made its last token: engine -> server (AsyncEngine publish, asyncio
-    queue, EngineServer delta) and server -> client (Serve router + ingress + HTTP/SSE). `first`: chunks the
-    client got before `producer`'s (1 for a decode replica: the first token comes from prefill)."""
+    queue, EngineServer delta) and server -> client (Serve router + ingress + HTTP/SSE). Chunks the client got
+    from elsewhere first (a relayed first token: `Replica.tokens_before`) are left out."""
     to_server, to_client, total = [], [], []
     for r in reqs:
         rid = r.get("id")
         if not rid or not r.get("ok"):
             continue
+        first = producer.tokens_before(r)  # one token = the first chunk
         for t, cum in list(zip(r["t"], cumulative_tokens(r)))[first:]:
             step = producer.step_with_token(rid, cum)
             if step is None:
@@ -351,7 +360,7 @@ def diagnose_phase(trace: dict, server: dict[str, dict] | None, *, worst: int = 
         out["long"] = long_timeline(long, decode)
     if producer is not None:
         out["steps"] = step_summary(producer.steps)
-        out["serve_hops"] = serve_hops(short, producer, first=1 if decode is not None else 0)
+        out["serve_hops"] = serve_hops(short, producer)
     if prefill is not None:
         out["prefill_steps"] = step_summary(prefill.steps)
     if producer is not None:

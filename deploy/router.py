@@ -80,7 +80,10 @@ class Router:
         self._touched: dict[str, list[tuple[ReplicaKey, str]]] = {}  # request id -> (replica, engine id) to abort
         self._faults: dict[str, str] = {}
         self._retry_prefill = config.transfer.retry_prefill
-        self._watching: set[asyncio.Task] = set()  # transfer outcomes watched after the decode started
+        self._watching: set[asyncio.Task] = set()  # prefill streams read on after the decode stream started
+        # decode-first requests whose prefill has not answered yet: request id -> (prefill replica, transfer id,
+        # its prefill stream); a release before that (the client left) stops the prefill too
+        self._prefilling: dict[str, tuple[ReplicaKey, str, object]] = {}
 
     # -- choosing replicas ----------------------------------------------------------------------------------
     def _candidates(self, role: str) -> list[ReplicaKey]:
@@ -192,6 +195,13 @@ class Router:
             self._release(rid)
 
     def _release(self, rid: str) -> None:
+        prefilling = self._prefilling.pop(rid, None)
+        if prefilling is not None:  # the client left before its first token: the prefill need not run on
+            p, tid, pstream = prefilling
+            pstream.cancel()  # its replica aborts the request (and the watcher reads the stream's end)
+            task = asyncio.get_running_loop().create_task(self._abort_on(p, tid))  # a placement not run yet
+            self._watching.add(task)
+            task.add_done_callback(self._watching.discard)
         held = self._held.pop(rid, None)  # once: a second release (a cancel racing the end) finds nothing
         if held is None:
             return
@@ -309,6 +319,10 @@ class Router:
             yield EngineError(status=503, message=f"KV transfer pairs could not be opened: {e}",
                               code="kv_transfer_unavailable", retry_after=5.0)
             return
+        # The ingress's stream (`direct`) opens on the decode replica before the prefill runs and carries the first
+        # token too (it comes in the KV header): no relay through here, no stream to open after it. Not with a
+        # retry (the stream would be the first attempt's) or prompt logprobs (the prefill computes those).
+        decode_first = direct and not self._retry_prefill and req.params.prompt_logprobs is None
         touched: list[tuple[ReplicaKey, str]] = []
         self._touched[rid] = touched
         busy: list[ReplicaKey] = []  # in-flight counts to give back
@@ -343,6 +357,14 @@ class Router:
                 self._inflight[p] += 1
                 busy.append(p)
                 pstream = self._engines[p].options(stream=True).prefill.remote(sub, send_to, tid)
+                if decode_first:
+                    busy.remove(p)
+                    self._watch_prefill(p, d, tid, pstream, rid, placed=p_rank is not None)
+                    busy.remove(d)  # the ingress's from here, like a unified redirect
+                    async for event in self._redirect(rid, d, "decode", (sub, None), tid):
+                        yield event
+                    done = True
+                    return
                 streams.append(pstream)
                 event = await _next_event(pstream, f"prefill replica {p[1]}")
                 if isinstance(event, EngineError):
@@ -365,7 +387,7 @@ class Router:
                     # transfer's outcome is watched on the side (a failure the decode side cannot see fails it).
                     busy.remove(p)
                     streams.remove(pstream)
-                    self._watch_outcome(p, d, tid, pstream)
+                    self._watch_prefill(p, d, tid, pstream, rid, first=event)
                     break
                 outcome = await _next_event(pstream, f"prefill replica {p[1]}")
                 self._inflight[p] -= 1
@@ -407,13 +429,29 @@ class Router:
             if devents is not None:
                 await devents.aclose()  # stops its pump
 
-    def _watch_outcome(self, p: ReplicaKey, d: ReplicaKey, tid: str, pstream) -> None:
-        """In the background: the prefill replica's transfer outcome for `tid`. A failure fails the request on the
-        decode replica (which frees its pages and ends its stream with 503 `kv_transfer_failed`), then replaces
-        the pair if it broke: the decode side sees a refused or broken payload itself, but not a sender that
-        never sent (no pairs, peer gone before the header) until its lease."""
+    def _watch_prefill(self, p: ReplicaKey, d: ReplicaKey, tid: str, pstream, rid: str, *,
+                       first: EngineChunk | None = None, placed: bool = False) -> None:
+        """In the background: the rest of the prefill replica's stream for `tid`, once the decode replica's stream
+        is (or is about to be) the client's. `first`: its first event, already read; else (the decode stream
+        carries the first token too) it is read here, and if the prefill answered instead of handing off (a
+        refusal, or the first token ended the request) the decode replica ends its stream with that answer.
+        Then the transfer's outcome: a failure fails the request on the decode replica (which frees its pages
+        and ends its stream with 503 `kv_transfer_failed`), then replaces the pair if it broke; the decode side
+        sees a refused or broken payload itself, but not a sender that never sent (no pairs, peer gone before the
+        header) until its lease. `placed`: a placement is held on `p` for `tid` (attention DP) until it runs."""
         async def watch() -> None:
             try:
+                if first is None:
+                    self._prefilling[rid] = (p, tid, pstream)
+                    try:
+                        event = await _next_event(pstream, f"prefill replica {p[1]}")
+                    finally:
+                        self._prefilling.pop(rid, None)
+                    if isinstance(event, EngineError) or event.finished:
+                        if isinstance(event, EngineError) and placed:
+                            await self._abort_on(p, tid)  # refused before it was added: let the placement go
+                        await self._fail_decode(d, tid, "the prefill answered without handing off", event)
+                        return
                 outcome = await _next_event(pstream, f"prefill replica {p[1]}")
             finally:
                 self._inflight[p] -= 1
@@ -421,15 +459,19 @@ class Router:
                 return
             why = outcome.reason if isinstance(outcome, TransferOutcome) else getattr(outcome, "message", outcome)
             logger.warning("request %s: KV transfer %s -> %s failed: %s", tid, p, d, why)
-            try:  # first: dropping a broken pair would fail it too, under a vaguer reason ("closed")
-                await self._engines[d].fail_remote.remote(tid, f"KV transfer failed: {why}")
-            except Exception:  # the decode replica is gone: its pages went with it
-                logger.warning("fail_remote of %s on %s failed", tid, d)
+            # first: dropping a broken pair would fail it too, under a vaguer reason ("closed")
+            await self._fail_decode(d, tid, f"KV transfer failed: {why}")
             await self._repair(p, d)
 
         task = asyncio.get_running_loop().create_task(watch())
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
+
+    async def _fail_decode(self, d: ReplicaKey, tid: str, why: str, answer: EngineEvent | None = None) -> None:
+        try:
+            await self._engines[d].fail_remote.remote(tid, why, answer)
+        except Exception:  # the decode replica is gone: its pages went with it
+            logger.warning("fail_remote of %s on %s failed", tid, d)
 
     async def _place(self, p: ReplicaKey, req: EngineRequest) -> int | None | EngineError:
         """The dp rank of prefill replica `p` that will run `req` (None without attention DP): the decode side

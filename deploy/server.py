@@ -44,6 +44,7 @@ logger = logging.getLogger("m3serve.server")
 RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_KV_S = 1.0
 SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
+KEEP_ANSWERS = 1024  # prefill answers kept for decode streams that have not come yet (fail_remote)
 SUBSCRIPTION_IDLE_S = 1.0  # an idle subscription still sends an empty item this often (a gone subscriber shows)
 
 
@@ -220,6 +221,8 @@ class EngineServer:
         # see debug_timeline.
         self._serve_marks: deque[tuple] = deque(maxlen=SERVE_MARKS)
         self._boxes: dict[str, _Outbox] = {}  # subscriber (ingress replica) -> its requests' unsent events
+        # decode: what the prefill answered instead of sending the KV, for the request's stream (fail_remote)
+        self._answers: dict[str, EngineEvent] = {}
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -334,7 +337,10 @@ class EngineServer:
                 error = error_for(e)
             if error is None:
                 raise
-            refused = True
+            if isinstance(error, EngineChunk):  # another replica's answer ends it (decode: the prefill's)
+                finished = error.finished
+            else:
+                refused = True
             yield error
         finally:
             await outputs.aclose()
@@ -530,24 +536,39 @@ class EngineServer:
             send_to = TransferAgent.dp_group(decode_group, dp_rank)
         return Admitted(num_pages=len(pages), dp_rank=dp_rank, send_to=send_to)
 
-    async def fail_remote(self, request_id: str, why: str) -> bool:
+    async def fail_remote(self, request_id: str, why: str, answer: EngineEvent | None = None) -> bool:
         """The router heard from the prefill replica that this admitted request's KV will not come: fail it
-        now (its `decode` stream ends with 503 `kv_transfer_failed` naming `why`) and free its pages. False
-        when it is not waiting for its KV (landed, unknown, failed or aborted already)."""
+        now and free its pages. Its `decode` stream ends with `answer` when given (what the prefill answered
+        instead: its refusal, or its first chunk when that token ended the request; for a stream opened before
+        the prefill ran), else with 503 `kv_transfer_failed` naming `why`. False when it is not waiting for its
+        KV (landed, unknown, failed or aborted already)."""
         if self._engine is None:
             return False
-        return await self._engine.fail_remote(request_id, why)
+        if answer is not None:
+            self._answers[request_id] = answer
+            while len(self._answers) > KEEP_ANSWERS:  # answers of streams that never came
+                self._answers.pop(next(iter(self._answers)))
+        failed = await self._engine.fail_remote(request_id, why)
+        if not failed:
+            self._answers.pop(request_id, None)
+        return failed
 
-    async def decode(self, req: EngineRequest, first: FirstToken) -> AsyncIterator[EngineEvent]:
+    async def decode(self, req: EngineRequest, first: FirstToken | None) -> AsyncIterator[EngineEvent]:
         """Stream an admitted request after its first token (which the client already has). It may have been
-        decoding since its KV landed: the first event then carries every token so far."""
+        decoding since its KV landed: the first event then carries every token so far. `first` None: the
+        stream opened before the prefill ran, so it carries the first token too (the KV header brings it), and
+        the prompt's ids, as a unified stream does; if the prefill answered instead (`fail_remote` with an
+        answer: its refusal, or the first token ended the request), that answer is what it yields."""
         if self._engine is None:
             yield self._not_ready()
             return
         from workers.engine import KVTransferFailed
 
-        def error_for(e: Exception) -> EngineError | None:
+        def error_for(e: Exception) -> EngineEvent | None:
             if isinstance(e, KVTransferFailed):
+                answer = self._answers.pop(req.request_id, None)
+                if answer is not None:
+                    return answer
                 return EngineError(status=503, message=f"the request's KV did not reach the decode replica: {e}",
                                    code="kv_transfer_failed", retry_after=RETRY_AFTER_KV_S)
             if isinstance(e, (ValueError, KeyError)):
@@ -555,7 +576,8 @@ class EngineServer:
             return None
 
         self._serve_marks.append((time.time(), req.request_id, "decode", 0))
-        outputs = self._engine.generate_remote(req.request_id, first.token_id, first.logprobs)
+        outputs = self._engine.generate_remote(req.request_id, first.token_id if first else None,
+                                               first.logprobs if first else None)
         stream = self._stream(req.request_id, outputs, _DeltaTracker(first), error_for)
         try:
             async for event in stream:

@@ -98,8 +98,19 @@ def test_handoff_split_adds_up_to_the_client_gap():
     ev = split["events_ms"]  # relative to the prefill step's end
     assert ev["acked"] == 50.0 and ev["outcome_left"] == 200.0 and ev["decode_called"] == 220.0
     assert ev["token2_left"] == pytest.approx(328.12, abs=0.01)
-    hops = st.serve_hops([r], decode, first=1)
+    # the client's first token came through the router (decode sent one of its two tokens): its hop is the prefill's
+    first_two = req(rid, [1.265625, 1.59375], start=0.9)
+    assert decode.tokens_before(first_two) == 1
+    hops = st.serve_hops([first_two], decode)
     assert hops["engine_to_server_ms"]["p50"] == 15.62 and hops["server_to_client_ms"]["p50"] == 15.62
+    assert hops["engine_to_server_ms"]["n"] == 1
+    # a decode stream that carried the first token too: every chunk is the decode replica's
+    direct = st.Replica(timeline(steps=[step(1.5, 1.5625, tokens=[(rid, 1), (rid, 2)])],
+                                 serve=[(1.5703125, rid, "chunk", 2)]), T0)
+    both = req(rid, [1.59375], n=[2], start=0.9)
+    assert direct.tokens_before(both) == 0
+    hops = st.serve_hops([both], direct)
+    assert hops["engine_to_server_ms"]["p50"] == 7.81 and hops["server_to_client_ms"]["p50"] == 23.44
 
 
 def test_unified_split_and_missing_pieces():

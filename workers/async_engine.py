@@ -165,12 +165,13 @@ class AsyncEngine:
         return await self.call(lambda e: e.admit_remote(request_id, prompt_token_ids, params, group=group,
                                                         transfer_id=transfer_id, prompt=prompt))
 
-    async def generate_remote(self, request_id: str, first_token: int,
+    async def generate_remote(self, request_id: str, first_token: int | None,
                               first_logprobs: dict[int, float] | None = None) -> AsyncIterator[RequestOutput]:
         """Decode role: stream an admitted request from its first token on (the first output already holds
         it; if it started decoding before this call, the first output holds everything so far). Raises
         KVTransferFailed if its KV never lands. `first_token`: what the prefill sampled (the KV header brings the
-        same; it is what a request admitted with `first_from_kv=False` starts from)."""
+        same; it is what a request admitted with `first_from_kv=False` starts from); None: not known yet (the
+        stream opened before the prefill ran), the KV header brings it."""
         self._check_alive()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
@@ -180,7 +181,7 @@ class AsyncEngine:
             parked = self._parked.pop(request_id, (None,))[0]
             if failed is None and not (parked is not None and parked.finished):
                 self._streams[request_id] = stream
-                if parked is None:
+                if parked is None and first_token is not None:
                     self._inbox.append(("continue", request_id, first_token, first_logprobs))
         if failed is not None:
             raise KVTransferFailed(failed)

@@ -302,6 +302,8 @@ class Engine:
         seen here with `.finished` set)."""
         t0 = time.perf_counter()
         polled = self.poll_transfers() if self.has_pending_transfers() else []
+        if polled:  # requests that start decoding now: their first token goes out before this step's forward
+            return polled
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             if self.scheduler.has_unfinished() and not sched_out.preempted:

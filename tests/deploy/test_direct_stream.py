@@ -1,10 +1,12 @@
 """Direct streams (what the ingress does): `Router.generate(req, direct=True)` decides and orchestrates, then hands
 the token stream over with a `Redirect` to the engine replica that produces it; the router counts the request on
-that replica until `release`. Unified: the redirect comes at once; disaggregated: after the prefill's first token,
-once the KV reached the decode replica. The tokens read from the named replica equal the relayed stream's."""
+that replica until `release`. Unified: the redirect comes at once; disaggregated: at once too, to the decode
+replica (which streams the first token as well, from the KV header). The tokens read from the named replica equal
+the relayed stream's."""
 from __future__ import annotations
 
 import random
+import time
 
 from deploy.protocol import EngineChunk, EngineRequest, Redirect
 from tests.deploy.pdapp import handle as pd_handle, pages_in_use, pd_app
@@ -51,21 +53,57 @@ def test_unified_redirects_at_once_and_counts_until_released(serve_app):
     serve_app.wait_idle()
 
 
-def test_disaggregated_redirects_to_decode_after_the_first_token(serve_app):
+def test_disaggregated_redirects_to_decode_before_the_prefill_runs(serve_app):
+    """The ingress's stream opens on the decode replica at once and carries the whole answer, the first token
+    (from the KV header) and the prompt ids included; the prefill's stream is the router's alone."""
     pd = pd_app(serve_app)
     pd.wait_idle()
     router = pd_handle("Router")
     relayed = tokens(list(router.options(stream=True).generate.remote(request("pd-relayed"))))
     events = list(router.options(stream=True).generate.remote(request("pd-direct"), True))
-    assert [type(e) for e in events] == [EngineChunk, Redirect]
-    first, r = events
-    assert first.samples[0].token_ids == relayed[:1] and not first.finished
+    assert [type(e) for e in events] == [Redirect]
+    r = events[0]
     assert (r.deployment, r.method, r.request_id) == ("EngineServer-decode-0", "decode", "pd-direct")
-    assert inflight(pd) == {"prefill-0": 0, "decode-0": 1}  # prefill let go once its KV arrived
-    assert tokens(follow(r)) == relayed[1:]
+    got = follow(r)
+    assert tokens(got) == relayed and got[-1].finished and got[0].prompt_token_ids == PROMPT
     router.release.remote("pd-direct").result()
     pd.wait_idle()
+    assert inflight(pd) == {"prefill-0": 0, "decode-0": 0}
     assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_decode_first_streams_end_with_what_the_prefill_answered(serve_app):
+    """A stream opened on the decode replica before the prefill ran: if the first token ends the request, that
+    chunk is the stream; if the KV never comes, the stream's one event is a 503 `kv_transfer_failed` naming why
+    (no token reached the client: it may retry); both sides end with no page held."""
+    pd = pd_app(serve_app)
+    pd.wait_idle()
+    router = pd_handle("Router")
+    want = tokens(list(router.options(stream=True).generate.remote(request("pd-one-relayed", 1))))
+    (r,) = list(router.options(stream=True).generate.remote(request("pd-one", 1), True))
+    got = follow(r)
+    assert len(got) == 1 and got[0].finished and tokens(got) == want and got[0].prompt_token_ids == PROMPT
+    prefill = pd_handle("EngineServer-prefill-0")
+    pairs = router.pairs.remote().result()
+    prefill.inject_transfer_faults.remote({"pd-gone": "peer_gone"}).result()
+    try:
+        (r,) = list(router.options(stream=True).generate.remote(request("pd-gone"), True))
+        got = follow(r)
+    finally:
+        prefill.inject_transfer_faults.remote({}).result()
+    assert len(got) == 1 and got[0].status == 503 and got[0].code == "kv_transfer_failed", got
+    assert "peer_gone" in got[0].message
+    deadline = time.monotonic() + 10
+    while router.pairs.remote().result() == pairs:  # the broken pair is replaced beside the error
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for rid in ("pd-one", "pd-gone"):
+        router.release.remote(rid).result()
+    pd.wait_idle()
+    assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
+    assert tokens(follow(list(router.options(stream=True).generate.remote(request("pd-after"), True))[0])) == \
+        tokens(list(router.options(stream=True).generate.remote(request("pd-after-relayed"))))
+    router.release.remote("pd-after").result()
 
 
 def engine(serve_app):

@@ -92,9 +92,9 @@ def test_sixteen_concurrent_greedy_requests_equal_unified_and_transformers(pd, s
     assert sorted(s.generation_tokens for s in by_role["decode"]) == sorted(k for k in MAX_TOKENS if k > 1)
 
 
-def test_the_stream_starts_with_the_prefill_token(pd, prompts, reference):
-    """One SSE stream: the first event carries exactly the token prefill sampled, the rest follow from decode,
-    and together they are the greedy tokens."""
+def test_one_stream_starts_with_the_first_token(pd, prompts, reference):
+    """One SSE stream: the first event starts with the token prefill sampled (the decode replica streams it from
+    the KV header; a later one may ride along when a hop lagged), and together they are the greedy tokens."""
     body = {"model": pd.model, "prompt": prompts[9], "max_tokens": MAX_TOKENS[9], "temperature": 0, "stream": True,
             "return_token_ids": True, "ignore_eos": True}
     with httpx.stream("POST", f"{pd.base_url}/v1/completions", json=body, headers=pd.headers, timeout=60) as r:
@@ -102,7 +102,7 @@ def test_the_stream_starts_with_the_prefill_token(pd, prompts, reference):
         text = r.read().decode()
     events = [json.loads(b[len("data: "):]) for b in text.strip().split("\n\n") if b != "data: [DONE]"]
     ids = [e["choices"][0].get("token_ids") or [] for e in events if e["choices"]]
-    assert ids[0] == reference[9][0][:1]
+    assert ids[0][:1] == reference[9][0][:1]
     assert sum(ids, []) == reference[9][0]
     assert text.rstrip().endswith("data: [DONE]")
     pd.wait_idle()
