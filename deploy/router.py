@@ -50,8 +50,8 @@ HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (its in
 
 ReplicaKey = tuple[str, int]  # (role, index)
 PairKey = tuple[ReplicaKey, ReplicaKey]  # (prefill replica, decode replica)
-# router-side faults for tests (transfer faults live on prefill replicas): hold the request between its first token
-# and the decode stream for PAUSE_S (the client leaves meanwhile) or DELAY_S (the decode runs ahead unattended)
+# router-side faults for tests (transfer faults live on prefill replicas): hold a relayed request between its first
+# token and the decode stream for PAUSE_S (the client leaves meanwhile) or DELAY_S (the decode runs ahead unattended)
 FAULT_KINDS = ("pause_before_decode", "delay_before_decode")
 PAUSE_S = 120.0
 DELAY_S = 0.5
@@ -442,7 +442,6 @@ class Router:
         async def watch() -> None:
             try:
                 if first is None:
-                    self._prefilling[rid] = (p, tid, pstream)
                     try:
                         event = await _next_event(pstream, f"prefill replica {p[1]}")
                     finally:
@@ -463,6 +462,8 @@ class Router:
             await self._fail_decode(d, tid, f"KV transfer failed: {why}")
             await self._repair(p, d)
 
+        if first is None:  # registered before the redirect leaves: a release may come before the task runs
+            self._prefilling[rid] = (p, tid, pstream)
         task = asyncio.get_running_loop().create_task(watch())
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
