@@ -46,7 +46,8 @@ from workers.stats import TransferStats
 from workers.transport import PairChannel, PeerGone, TransferError, TransferTimeout, poll_until
 
 _CLOSE = b"__close__"
-_HEADER_VERSION = 1
+# 2: `meta` (the first token) and `batch` (several requests per payload, one status each) joined the header
+_HEADER_VERSION = 2
 _STATUS_BYTES = 512  # the receiver's answer: one small message on the backend (reason text included)
 _STATUS_OK, _STATUS_REFUSED = 0x4F, 0x52
 _LAYOUTS_KEPT = 32  # chunk/copy plans kept per pair (one per page count seen recently)
