@@ -3,6 +3,7 @@
 the sent ones bitwise for every layer and both page families; injected faults must end FAILED with a reason."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -150,6 +151,15 @@ def test_header_round_trip_and_refusal():
     assert h.total_bytes() == 3 * (4 * 2 * 16 * 32 * 2 + 3 * 16 * 32 * 2)
     with pytest.raises(ValueError, match="undecodable"):
         KVHeader.decode(b'{"request_id": "x"}')
+    # a batch and its meta survive the trip; the requests come out in payload order
+    b = dataclasses.replace(h, num_pages=5, batch=(("a", 2, {"first": 7, "logprobs": [[7, -0.5]]}), ("b", 3, None)))
+    assert KVHeader.decode(b.encode()) == b and b.items() == [("a", 2, {"first": 7, "logprobs": [[7, -0.5]]}),
+                                                              ("b", 3, None)]
+    # a header of the first version (no meta, no batch) still decodes, so a receiver can refuse it by its version
+    old = json.loads(h.encode())
+    del old["meta"], old["batch"]
+    old["version"] = 1
+    assert KVHeader.decode(json.dumps(old).encode()).version == 1
 
 
 def test_config_refuses_bad_values():
@@ -307,6 +317,47 @@ def test_one_header_per_transfer_posted_from_the_callers_thread_with_phase_marks
         assert all(sender.wait(f"q-{i}", 20).state is TransferState.DONE for i in range(3))
         who = dict(tx_count.senders[2 * chunks:])
         assert who["q-0"] == me and who["q-1"] != me and who["q-2"] != me, who
+    finally:
+        sender.close(), receiver.close()
+
+
+class _OldVersionChannel:
+    """A sender of the first header version (no meta, no batch): its headers say version 1."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def post_header(self, raw, *, tag=""):
+        d = json.loads(raw)
+        del d["meta"], d["batch"]
+        d["version"] = 1
+        return self.inner.post_header(json.dumps(d).encode(), tag=tag)
+
+
+def test_a_header_of_another_version_is_refused_and_the_pair_stays_in_step():
+    src, dst = _filled_cache(8, seed=31), KVCache.allocate(_tiny(), 8)
+    cfg = TransferConfig(timeout_s=20)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    rx, tx = _pair()
+    old = _OldVersionChannel(tx)
+    receiver.add_peer("p0", rx, plan_routes(2, 1, 1)[0])
+    sender.add_peer("d0", old, plan_routes(2, 1, 1)[0])
+    try:
+        sender.wait_ready(30), receiver.wait_ready(30)
+        receiver.prepare_receive("v1", [2, 3])
+        sender.send("v1", [4, 5])
+        s, r = sender.wait("v1", 20), receiver.wait("v1", 20)
+        assert (s.state, r.state) == (TransferState.FAILED, TransferState.FAILED)
+        assert "version 1 != 2" in r.reason and "rejected by receiver" in s.reason
+        assert not dst.k[0][[2, 3]].any()
+        old.post_header = tx.post_header  # the sender upgraded: the same pair carries the next one
+        receiver.prepare_receive("v2", [2, 3])
+        sender.send("v2", [4, 5])
+        assert sender.wait("v2", 20).state is TransferState.DONE
+        _assert_pages_equal(dst, [2, 3], src, [4, 5])
     finally:
         sender.close(), receiver.close()
 
