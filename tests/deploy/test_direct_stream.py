@@ -106,6 +106,32 @@ def test_decode_first_streams_end_with_what_the_prefill_answered(serve_app):
     router.release.remote("pd-after").result()
 
 
+def test_decode_first_release_before_the_first_token_cancels_the_prefill(serve_app):
+    """The client leaves while its prefill has not started (held, as behind long prompts): the ingress aborts the
+    decode side and releases the request at the router, which cancels the prefill too, so it never runs."""
+    pd = pd_app(serve_app)
+    pd.wait_idle()
+    router, prefill = pd_handle("Router"), pd_handle("EngineServer-prefill-0")
+
+    def started() -> int:
+        return next(r["counters"]["started"] for r in pd.engine_stats() if r["role"] == "prefill")
+
+    before = started()
+    prefill.hold_prefills.remote({"pd-left": "hold"}).result()
+    try:
+        (r,) = list(router.options(stream=True).generate.remote(request("pd-left"), True))
+        time.sleep(0.5)  # the router's watcher waits on the held prefill stream
+        pd_handle("EngineServer-decode-0").abort.remote("pd-left").result()  # what the ingress does on close
+        router.release.remote("pd-left").result()
+        time.sleep(6)  # longer than the hold: a prefill not cancelled would have started by now
+    finally:
+        prefill.hold_prefills.remote({}).result()
+    assert started() == before
+    assert inflight(pd) == {"prefill-0": 0, "decode-0": 0}
+    pd.wait_idle()
+    assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
+
+
 def engine(serve_app):
     from ray import serve
 
