@@ -79,10 +79,18 @@ def _pair() -> tuple[PairChannel, PairChannel]:
     return listener, PairChannel.connect(listener.address, timeout_s=30)
 
 
-def _wire(sender: KVSender, receiver: KVReceiver, route: Route, *, s_name="d0", r_name="p0", faults=None):
+def _wire(sender: KVSender, receiver: KVReceiver, route: Route, *, s_name="d0", r_name="p0", faults=None,
+          wrap=None):
+    """One pair between them; the sender's channel wrapped in a FaultyChannel (`faults`) or by `wrap(channel)`.
+    Returns (receiver's channel, sender's channel as added)."""
     rx, tx = _pair()
+    if faults:
+        tx = FaultyChannel(tx, faults)
+    if wrap is not None:
+        tx = wrap(tx)
     receiver.add_peer(r_name, rx, route)
-    sender.add_peer(s_name, FaultyChannel(tx, faults) if faults else tx, route)
+    sender.add_peer(s_name, tx, route)
+    return rx, tx
 
 
 # ---- pure plans ---------------------------------------------------------------------------------------------
@@ -341,10 +349,7 @@ def test_a_header_of_another_version_is_refused_and_the_pair_stays_in_step():
     src, dst = _filled_cache(8, seed=31), KVCache.allocate(_tiny(), 8)
     cfg = TransferConfig(timeout_s=20)
     sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-    rx, tx = _pair()
-    old = _OldVersionChannel(tx)
-    receiver.add_peer("p0", rx, plan_routes(2, 1, 1)[0])
-    sender.add_peer("d0", old, plan_routes(2, 1, 1)[0])
+    _rx, old = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_OldVersionChannel)
     try:
         sender.wait_ready(30), receiver.wait_ready(30)
         receiver.prepare_receive("v1", [2, 3])
@@ -353,7 +358,7 @@ def test_a_header_of_another_version_is_refused_and_the_pair_stays_in_step():
         assert (s.state, r.state) == (TransferState.FAILED, TransferState.FAILED)
         assert "version 1 != 2" in r.reason and "rejected by receiver" in s.reason
         assert not dst.k[0][[2, 3]].any()
-        old.post_header = tx.post_header  # the sender upgraded: the same pair carries the next one
+        old.post_header = old.inner.post_header  # the sender upgraded: the same pair carries the next one
         receiver.prepare_receive("v2", [2, 3])
         sender.send("v2", [4, 5])
         assert sender.wait("v2", 20).state is TransferState.DONE
@@ -369,10 +374,7 @@ def test_send_many_is_one_payload_and_a_refused_request_in_it_writes_nothing():
     src, dst = _filled_cache(16, seed=21), KVCache.allocate(_tiny(), 20)
     cfg = TransferConfig(timeout_s=20, max_chunk_bytes=30_000)  # a chunk boundary inside the batch
     sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-    rx, tx = _pair()
-    tx_count = _CountingChannel(tx)
-    receiver.add_peer("p0", rx, plan_routes(2, 1, 1)[0])
-    sender.add_peer("d0", tx_count, plan_routes(2, 1, 1)[0])
+    _rx, tx_count = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
     page = KVCache.bytes_per_page(_tiny())
     try:
         sender.wait_ready(30), receiver.wait_ready(30)
@@ -421,10 +423,7 @@ def test_coalesced_is_the_default_and_per_page_messages_are_measured():
     for label, cfg in (("coalesced (default)", TransferConfig()),
                        ("one message per page per layer", TransferConfig(max_chunk_bytes=row))):
         sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-        rx, tx = _pair()
-        counting = _CountingChannel(tx)
-        receiver.add_peer("p0", rx, plan_routes(2, 1, 1)[0])
-        sender.add_peer("d0", counting, plan_routes(2, 1, 1)[0])
+        _rx, counting = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
         try:
             sender.wait_ready(30)
             best = float("inf")
