@@ -445,9 +445,6 @@ class GroupTransferAgent:
             self._undo(transfer_id, [r for r, e in enumerate(errors) if e is None])
             raise next(e for e in errors if e is not None)
 
-    def send(self, transfer_id: str, page_ids: Sequence[int], group: str, meta: dict | None = None) -> None:
-        self.send_many([(transfer_id, page_ids, meta)], group)
-
     def send_many(self, items: Sequence[tuple[str, Sequence[int], dict | None]], group: str) -> None:
         """Every shard sends its routes' heads of each request's pages (after the step that wrote them), as one
         payload per pair, each request's `meta` in the header. If one shard cannot (no pairs to `group` there),

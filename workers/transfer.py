@@ -934,11 +934,13 @@ class KVSender(_Endpoint):
 
 # ---- receiver -----------------------------------------------------------------------------------------------
 class _RecvWorker(_PairWorker):
-    """Blocks on the store for the next header; then posts the chunk receives, one scatter launch per chunk
+    """Blocks on the pair's header stream for the next header; then posts the chunk receives, one scatter launch per chunk
     (stream-ordered behind its receive on NCCL: no CPU wait until everything is queued), settles, and answers
     with the status over the backend."""
 
-    _ok: torch.Tensor | None = None
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._ok: dict[int, torch.Tensor] = {}  # all-ok status per payload size (requests), see _ok_status
 
     def stop(self) -> None:
         super().stop()
@@ -1061,8 +1063,8 @@ class _RecvWorker(_PairWorker):
             answers.append((ok, reason))
         try:
             with self._on_stream():
-                if len(answers) == 1 and answers[0][0]:
-                    status = self._ok_status()
+                if all(ok for ok, _reason in answers):
+                    status = self._ok_status(len(answers))
                 else:
                     status = _encode_statuses(answers, self.end.device)
                 self.channel.wait_work(self.channel.send(status, tag=tag), deadline, "status")
@@ -1088,12 +1090,14 @@ class _RecvWorker(_PairWorker):
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.end.device)
         return i, buf, self.channel.recv(buf, tag=tag)
 
-    def _ok_status(self) -> torch.Tensor:
-        """The answer to a good payload, built once (no host-to-device copy per transfer). Only ever read by the
-        backend's send, so sharing it between transfers of this pair is safe."""
-        if self._ok is None:
-            self._ok = _encode_status(True, None, self.end.device)
-        return self._ok
+    def _ok_status(self, n: int) -> torch.Tensor:
+        """The answer to a good payload of `n` requests, built once per `n` (no host-to-device copy per transfer:
+        a prefill step's batch sizes repeat). Only ever read by the backend's send, so sharing it between
+        transfers of this pair is safe."""
+        status = self._ok.get(n)
+        if status is None:
+            status = self._ok[n] = _encode_statuses([(True, None)] * n, self.end.device)
+        return status
 
     def _land(self, i: int, buf: torch.Tensor, work, ids: torch.Tensor | None, plans, sums,
               deadline: float) -> None:
@@ -1337,11 +1341,9 @@ class TransferAgent:
             raise ValueError(f"group: {group!r} has no pairs into this decode shard")
         self.end.prepare_receive(transfer_id, page_ids, peers=peers)
 
-    def send(self, transfer_id: str, page_ids: Sequence[int], group: str, meta: dict | None = None) -> None:
-        self.send_many([(transfer_id, page_ids, meta)], group)
-
     def send_many(self, items: Sequence[tuple[str, Sequence[int], dict | None]], group: str) -> None:
-        """Send several requests' pages (transfer id, page ids, meta) to `group` as one payload per pair."""
+        """Send requests' pages (transfer id, page ids, meta) to `group` as one payload per pair (the engine sends
+        what one step handed off)."""
         peers = self._peers(group)
         if not peers:  # another replica of this shard's heads sends them: nothing to move from here
             busy = [t for t, _ids, _m in items if t in self._idle or t in self.end._ops]

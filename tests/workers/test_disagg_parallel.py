@@ -577,15 +577,15 @@ def test_prefill_shard_without_routes_has_nothing_to_send():
     try:
         idle.connect("d#0", listened)
         assert idle.groups == ["d#0"] and idle.broken("d#0") is None
-        idle.send("t", [0, 1], "d#0")
+        idle.send_many([("t", [0, 1], None)], "d#0")
         res = idle.results(["t"])[0]
         assert (res.state, res.settled, res.num_bytes, res.num_pages) == (TransferState.DONE, True, 0, 2)
         assert idle.transfer_ids() == ["t"]
         with pytest.raises(ValueError, match="already has a transfer"):
-            idle.send("t", [0, 1], "d#0")
+            idle.send_many([("t", [0, 1], None)], "d#0")
         assert idle.abort("t") and idle.release("t").state is TransferState.DONE and idle.transfer_ids() == []
         with pytest.raises(ValueError, match="^group: no pairs to 'x#0'"):
-            idle.send("u", [0], "x#0")
+            idle.send_many([("u", [0], None)], "x#0")
     finally:
         idle.close()
 
