@@ -234,10 +234,23 @@ class PairChannel:
                     opts._timeout = _td(self.timeout_s)
                     self._pg = dist.ProcessGroupGloo(store, self.rank, 2, opts)
                 else:
-                    # the NCCL communicator itself is created lazily on the first send/recv of this device
                     self._pg = dist.ProcessGroupNCCL(store, self.rank, 2, _td(self.timeout_s))
+                    self._warm_up()
             except Exception as exc:
                 raise _classify(exc, f"opening the {self.backend} pair") from exc
+
+    def _warm_up(self) -> None:
+        """NCCL: one byte each way now. The communicator and each direction's connection are made lazily by the
+        first send/recv, and that setup blocks the posting thread until the peer posts its side: a receive
+        posted ahead of its payload (an announced one) or a status receive posted before the peer can send it
+        would stall there. After this, posting never waits for the peer."""
+        buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
+        deadline = time.monotonic() + self.timeout_s
+        for sender in (1, 0):
+            work = self._pg.send([buf], self.peer_rank, 0) if self.rank == sender else \
+                self._pg.recv([buf], self.peer_rank, 0)
+            self.wait_work(work, deadline, "pair warm-up")
+        torch.cuda.synchronize(self.device)
 
     @property
     def is_open(self) -> bool:
