@@ -19,6 +19,10 @@ What is timed, on the sender, median of --reps after --warmup:
             sends and the status receive posted); header = send() -> the receiver holds the header (socket
             hop); payload = receiver: header -> pages written (receives, wire, scatters, stream settled);
             ack = pages written -> the sender read the status; wake = status read -> sender.wait() returned.
+  modes:    "plain" as above; "announced" (what a prefill engine does, TransferConfig.announce): the header
+            goes first (`KVSender.announce`), then the prefill's forward (stood in for by --forward-ms of
+            sleep, the step's host sync included), and the clock starts at `send_many` with the pages ready:
+            the receiver's receives were posted meanwhile, as the ceiling's are.
   ceiling:  one torch.distributed send of the whole payload as ONE message, then a 1-element ack back
             (the same round trip shape as ours, no gather/scatter, no control plane).
   ceiling@chunks: the same with the chunk sizes our plan uses (isolates the message-size effect).
@@ -86,11 +90,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--modes", default="plain,announced", help="plain and/or announced (see the docstring)")
+    p.add_argument("--forward-ms", type=float, default=3.0, help="announced: the stand-in prefill forward")
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for bench_kv_transfer.json")
     a = p.parse_args(argv)
     a.tokens = [int(x) for x in (a.tokens or ("64,256,1024" if a.tiny else "1024,8192,32768")).split(",")]
     a.chunk_mib = [float(x) for x in a.chunk_mib.split(",")]
     a.reps = a.reps or (5 if a.tiny else 20)
+    a.modes = a.modes.split(",")
+    if not set(a.modes) <= {"plain", "announced"}:
+        p.error(f"--modes: plain and/or announced, got {a.modes}")
     return a
 
 
@@ -211,13 +220,16 @@ def sender_main(conn, addresses, argv) -> None:
             _, sizes, stream_k = msg
             conn.send(ceiling_side(ceil_ch, sizes, args.reps, args.warmup, True, device, stream_k))
         elif msg[0] == "transfer":
-            _, rid, num_pages, cap, want_digest = msg
+            _, rid, num_pages, cap, want_digest, mode = msg
             sender.config = dataclasses.replace(sender.config, max_chunk_bytes=cap)  # the header carries it
             ids = torch.randperm(pool, generator=gen)[:num_pages].tolist()
             sync(device)
+            if mode == "announced":
+                sender.announce([(rid, ids)])
+                time.sleep(args.forward_ms / 1e3)  # the prefill step that writes the pages, then its host sync
             t0 = time.perf_counter()
             t0_mono = time.monotonic()
-            sender.send(rid, ids)
+            sender.send_many([(rid, ids, {"first": 1})])
             res = sender.wait(rid, args.timeout)
             dt = time.perf_counter() - t0
             t_end = time.monotonic()
@@ -268,18 +280,32 @@ def main(argv=None) -> int:
         return theirs["rt"], statistics.median(r - s for s, r in zip(theirs["t_send"], mine["t_recv"]))
 
     n = 0
-    for item in plan:
+
+    def run_item(item):
+        """The ceilings of one size, then each mode's transfers (one row per mode)."""
+        nonlocal n
         nbytes = sum(item["chunks"])
         one, one_way = ceiling([nbytes])
         chunked = ceiling(item["chunks"])[0] if len(item["chunks"]) > 1 else one
         stream = ceiling([nbytes], stream_k=4)[0] / 4
+        for mode in args.modes:
+            row = measure(item, mode, n)
+            n += args.warmup + args.reps
+            if row is not None:
+                rows.append(dict(row, mode=mode, bytes=nbytes, ceiling_s=one, ceiling_gbps=nbytes / one / 1e9,
+                                 fraction=one / row["ours_s"], ceiling_one_way_s=one_way,
+                                 fraction_one_way=one_way / row["ours_one_way_s"],
+                                 ceiling_chunked_gbps=nbytes / chunked / 1e9, stream_gbps=nbytes / stream / 1e9))
+
+    def measure(item, mode, n):
         times, one_ways, recv_times, splits, timelines, fused = [], [], [], [], [], True
+        nbytes = sum(item["chunks"])
         for rep in range(args.warmup + args.reps):
             rid = f"t{n}"
             n += 1
             ids = torch.randperm(pool, generator=gen)[:item["pages"]].tolist()
             receiver.prepare_receive(rid, ids)
-            parent.send(("transfer", rid, item["pages"], item["cap"], rep == 0))
+            parent.send(("transfer", rid, item["pages"], item["cap"], rep == 0, mode))
             state, reason, dt, sent_bytes, digest, s_marks, t_end, fused_now = parent.recv()
             res = receiver.wait(rid, args.timeout)
             receiver.release(rid)
@@ -298,44 +324,52 @@ def main(argv=None) -> int:
                 fused &= fused_now and all(p.fused for w in receiver._workers.values()
                                            for lay in w._layouts.values() for p in lay.plans)
         if not times:
-            continue
+            return None
         ours = statistics.median(times)
-        ours_1w = statistics.median(one_ways)
-        rows.append({"tokens": item["tokens"], "pages": item["pages"], "bytes": nbytes, "chunk_cap": item["cap"],
-                     "messages": len(item["chunks"]), "ours_s": ours, "ours_gbps": nbytes / ours / 1e9,
-                     "ceiling_s": one, "ceiling_gbps": nbytes / one / 1e9, "fraction": one / ours,
-                     "ours_one_way_s": ours_1w, "ceiling_one_way_s": one_way, "fraction_one_way": one_way / ours_1w,
-                     "timeline_ms": dict(sorted(((k, statistics.median(t[k] for t in timelines) * 1e3)
-                                                  for k in timelines[0]), key=lambda kv: kv[1])),
-                     "ceiling_chunked_gbps": nbytes / chunked / 1e9, "stream_gbps": nbytes / stream / 1e9,
-                     "receiver_side_s": statistics.median(recv_times), "one_launch_per_chunk": fused,
-                     "split_s": {k: statistics.median(x[k] for x in splits) for k in PHASES}})
+        return {"tokens": item["tokens"], "pages": item["pages"], "chunk_cap": item["cap"],
+                "messages": len(item["chunks"]), "ours_s": ours, "ours_gbps": nbytes / ours / 1e9,
+                "ours_one_way_s": statistics.median(one_ways),
+                "timeline_ms": dict(sorted(((k, statistics.median(t[k] for t in timelines) * 1e3)
+                                            for k in timelines[0]), key=lambda kv: kv[1])),
+                "receiver_side_s": statistics.median(recv_times), "one_launch_per_chunk": fused,
+                "split_s": {k: statistics.median(x[k] for x in splits) for k in PHASES}}
+
+    for item in plan:
+        run_item(item)
     parent.send(("stop",))
     proc.join(timeout=30)
     receiver.close()
     ceil_ch.close()
 
-    split_lines = [f"{'tokens':>7} {'cap':>5} " + " ".join(f"{k + ' ms':>10}" for k in PHASES) + "  copy"] + [
-        f"{r['tokens']:>7} {r['chunk_cap'] / 2**(10 if args.tiny else 20):>5.0f} "
+    split_lines = [f"{'mode':>9} {'tokens':>7} {'cap':>5} " + " ".join(f"{k + ' ms':>10}" for k in PHASES)
+                   + "  copy"] + [
+        f"{r['mode']:>9} {r['tokens']:>7} {r['chunk_cap'] / 2**(10 if args.tiny else 20):>5.0f} "
         + " ".join(f"{r['split_s'][k] * 1e3:>10.3f}" for k in PHASES)
         + ("  1 launch/chunk" if r["one_launch_per_chunk"] else "  torch per piece") for r in rows]
     unit = "KiB" if args.tiny else "MiB"
-    header = (f"{'tokens':>7} {'pages':>5} {'MB':>8} {'cap ' + unit:>8} {'msgs':>4} {'ours ms':>8} {'ours GB/s':>9} "
+    header = (f"{'mode':>9} {'tokens':>7} {'pages':>5} {'MB':>8} {'cap ' + unit:>8} {'msgs':>4} {'ours ms':>8} {'ours GB/s':>9} "
               f"{'ceil GB/s':>9} {'of ceil':>7} {'1-way ms':>8} {'ceil 1-way':>10} {'of ceil':>7} {'ceil@chunks':>11} "
               f"{'stream':>7} {'recv ms':>8}")
     lines = [header] + [
-        f"{r['tokens']:>7} {r['pages']:>5} {r['bytes'] / 1e6:>8.2f} {r['chunk_cap'] / 2**(10 if args.tiny else 20):>8.0f} "
+        f"{r['mode']:>9} {r['tokens']:>7} {r['pages']:>5} {r['bytes'] / 1e6:>8.2f} {r['chunk_cap'] / 2**(10 if args.tiny else 20):>8.0f} "
         f"{r['messages']:>4} {r['ours_s'] * 1e3:>8.3f} {r['ours_gbps']:>9.2f} {r['ceiling_gbps']:>9.2f} "
         f"{r['fraction'] * 100:>6.0f}% {r['ours_one_way_s'] * 1e3:>8.3f} {r['ceiling_one_way_s'] * 1e3:>10.3f} "
         f"{r['fraction_one_way'] * 100:>6.0f}% {r['ceiling_chunked_gbps']:>11.2f} {r['stream_gbps']:>7.2f} "
         f"{r['receiver_side_s'] * 1e3:>8.3f}" for r in rows]
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "backend": backend, "torch": torch.__version__, "model": "tiny" if args.tiny else "m3-slice",
-            "dtype": str(dtype), "page_copy_triton_failure": page_copy.triton_failure, "reps": args.reps, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d %H:%M")}
-    at_8k = [r for r in rows if r["tokens"] == 8192]
-    verdict = (f"8k tokens: best {max(r['fraction_one_way'] for r in at_8k) * 100:.0f}% of the NCCL ceiling one-way "
-               f"(send() -> pages landed vs send -> received), {max(r['fraction'] for r in at_8k) * 100:.0f}% round "
-               f"trip (-> sender saw the status vs -> ack) (target {TARGET_FRACTION_8K * 100:.0f}%)" if at_8k else "")
+            "dtype": str(dtype), "page_copy_triton_failure": page_copy.triton_failure, "reps": args.reps,
+            "warmup": args.warmup, "forward_ms": args.forward_ms, "date": time.strftime("%Y-%m-%d %H:%M")}
+    verdicts = []
+    for mode in args.modes:
+        at_8k = [r for r in rows if r["tokens"] == 8192 and r["mode"] == mode]
+        if at_8k:
+            verdicts.append(
+                f"8k tokens, {mode}: best {max(r['fraction_one_way'] for r in at_8k) * 100:.0f}% of the NCCL ceiling "
+                f"one-way (send() -> pages landed vs send -> received), "
+                f"{max(r['fraction'] for r in at_8k) * 100:.0f}% round trip (-> sender saw the status vs -> ack) "
+                f"(target {TARGET_FRACTION_8K * 100:.0f}%)")
+    verdict = "\n".join(verdicts)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_kv_transfer.json"), "w") as f:
@@ -351,7 +385,7 @@ def main(argv=None) -> int:
     print("\ntimeline of one transfer, ms after send() (medians; s_ sender, r_ receiver):")
     for r in rows:
         cap = r["chunk_cap"] / 2**(10 if args.tiny else 20)
-        print(f"{r['tokens']:>7} {cap:>5.0f}  " + "  ".join(f"{k} {v:.3f}" for k, v in r["timeline_ms"].items()))
+        print(f"{r['mode']:>9} {r['tokens']:>7} {cap:>5.0f}  " + "  ".join(f"{k} {v:.3f}" for k, v in r["timeline_ms"].items()))
     return 1 if failures or not rows else 0
 
 

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for the engines to load")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--announce", action="store_true",
+                   help="pd: KV header before the prefill step that ends the prompt (transfer.announce true)")
     p.add_argument("--out", default=None, help=f"result JSON, or a directory for {RESULT_NAME} "
                                                f"(default: $OUT/{RESULT_NAME} when OUT is set)")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)  # results path: run the work here
@@ -255,7 +257,8 @@ def serve_config(args: argparse.Namespace, mode: str, model_dir: str) -> dict[st
         group["num_cpus_per_shard"] = 0.5
     config: dict[str, Any] = {"model": model_dir, "device": args.device, "engine": engine,
                               "disaggregate": mode == "pd",
-                              "transfer": {"timeout_s": 30.0, "lease_s": 60.0, "retry_prefill": False}}
+                              "transfer": {"timeout_s": 30.0, "lease_s": 60.0, "retry_prefill": False,
+                                           "announce": args.announce}}
     if mode == "pd":
         config["prefill"] = dict(group)
         config["decode"] = dict(group)

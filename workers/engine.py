@@ -211,6 +211,11 @@ class Engine:
             self.agents = make_agents(role, self.model_config.num_key_value_heads, self.transfer_config)
         self._handoffs: dict[str, _Handoff] = {}
         self._to_send: list[tuple[str, list[int], dict]] = []  # handed off in this step: (request id, pages, meta)
+        # announced before this step's forward (TransferConfig.announce): request id -> (transfer id, group)
+        self._announced: dict[str, tuple[str, str]] = {}
+        # announced, then ended by their first token: transfer id -> (group, seq id whose pages it reads, or None)
+        self._to_withdraw: dict[str, tuple[str, int | None]] = {}
+        self._withdrawn: dict[str, tuple[int | None, float]] = {}  # sent withdrawn: transfer id -> (seq id, when)
         self._remote: dict[str, _Remote] = {}
         # decode: prefill group -> its per-prefill-dp-rank sub-groups (a prefill with attention DP, kv_listen)
         self._split: dict[str, list[str]] = {}
@@ -294,7 +299,7 @@ class Engine:
 
     def has_pending_transfers(self) -> bool:
         """Requests waiting on a KV transfer (or its lease) rather than on a step."""
-        return bool(self._handoffs or self._remote)
+        return bool(self._handoffs or self._remote or self._withdrawn)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -313,7 +318,12 @@ class Engine:
         batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
                                  released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress)
         self._released_seq_ids = []
-        result = self.executor.execute(batch)
+        self._announce(sched_out)
+        try:
+            result = self.executor.execute(batch)
+        except BaseException:
+            self._withdraw_all()  # the pairs wait for what was announced
+            raise
         for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
             self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
         sampled: list[int | None] = [None] * len(sched_out.chunks)
@@ -354,27 +364,74 @@ class Engine:
         seq = req.seqs[0]
         if seq.finish_reason != "handoff":  # the first token ended it (stop string): nothing to send
             del self._handoffs[req.request_id]
-            self.pages.free(seq.seq_id)
+            announced = self._announced.pop(req.request_id, None)
+            if announced is None:
+                self.pages.free(seq.seq_id)
+            else:  # its header went ahead: its bytes still go (withdrawn), read from its pages until settled
+                self._to_withdraw[announced[0]] = (announced[1], seq.seq_id)
             return
         page_ids = self.pages.page_table(seq.seq_id)[:self.pages.pages_for(seq.num_prompt_tokens)]
         meta = first_token_meta(seq.output_token_ids[0], t.logprobs[0][0] if t.logprobs[0] else None)
         self._to_send.append((req.request_id, page_ids, meta))
 
-    def _send_handoffs(self) -> None:
-        """Send the KV of the requests this step handed off: one payload per decode group and pair for all of
-        them (one transfer's fixed costs instead of one per request, which would queue on the pair)."""
-        if not self._to_send:
+    def _announce(self, sched_out) -> None:
+        """Prefill: the requests whose prompt completes in this step (their first token is sampled in it) have
+        their KV header sent now, before the forward, so the decode side posts its receives while this step
+        computes (`TransferConfig.announce`; agents without `announce` (worker groups) send after the step)."""
+        if self.role != "prefill" or not self.transfer_config.announce or not self._handoffs:
+            return
+        if not all(hasattr(agent, "announce") for agent in self.agents):
             return
         by_group: dict[str, list] = {}
-        for rid, page_ids, meta in self._to_send:
-            by_group.setdefault(self._handoffs[rid].group, []).append((rid, page_ids, meta))
-        self._to_send = []
+        for c in sched_out.chunks:
+            h = self._handoffs.get(c.seq.request.request_id) if c.sample and not c.is_decode else None
+            if h is None or h.sent:
+                continue
+            ids = self.pages.page_table(c.seq.seq_id)[:self.pages.pages_for(c.seq.num_prompt_tokens)]
+            by_group.setdefault(h.group, []).append((c.seq.request.request_id, h.transfer_id, list(ids)))
         for group, items in by_group.items():
+            try:  # an engine has one agent (a group's spans its shards)
+                for agent in self.agents:
+                    agent.announce([(tid, ids) for _rid, tid, ids in items], group)
+            except ValueError:  # no pairs to that group (any more): nothing went ahead; send_many reports it
+                continue
+            for rid, tid, _ids in items:
+                self._announced[rid] = (tid, group)
+
+    def _withdraw_all(self) -> None:
+        """The step failed after announcing: withdraw every announced request (its pages stay with it)."""
+        for rid, (tid, group) in self._announced.items():
+            self._to_withdraw[tid] = (group, None)
+        self._announced = {}
+        self._send_handoffs()
+
+    def _send_handoffs(self) -> None:
+        """Send the KV of the requests this step handed off: one payload per decode group and pair for all of
+        them (one transfer's fixed costs instead of one per request, which would queue on the pair). Requests
+        announced and then ended by their first token go as withdrawn in the same call."""
+        sending = {rid for rid, _ids, _meta in self._to_send}
+        for rid, (tid, group) in self._announced.items():  # announced, neither retired nor ended (not expected)
+            if rid not in sending:
+                self._to_withdraw[tid] = (group, None)
+        if not (self._to_send or self._to_withdraw):
+            return
+        by_group: dict[str, tuple[list, list]] = {}
+        for rid, page_ids, meta in self._to_send:
+            by_group.setdefault(self._handoffs[rid].group, ([], []))[0].append((rid, page_ids, meta))
+        for tid, (group, _seq_id) in self._to_withdraw.items():
+            by_group.setdefault(group, ([], []))[1].append(tid)
+        to_withdraw, self._to_send, self._to_withdraw, self._announced = self._to_withdraw, [], {}, {}
+        now = time.monotonic()
+        for tid in to_withdraw:
+            self._withdrawn[tid] = (to_withdraw[tid][1], now)
+        for group, (items, withdrawn) in by_group.items():
             for rid, _ids, _meta in items:
                 self._mark("send", rid)
+            kwargs = {"withdrawn": withdrawn} if withdrawn else {}
             try:
                 for agent in self.agents:
-                    agent.send_many([(self._handoffs[rid].transfer_id, ids, meta) for rid, ids, meta in items], group)
+                    agent.send_many([(self._handoffs[rid].transfer_id, ids, meta) for rid, ids, meta in items], group,
+                                    **kwargs)
             except ValueError as e:  # no pairs to that group (any more)
                 for rid, _ids, _meta in items:
                     self.pages.free(self._handoffs.pop(rid).seq_id)
@@ -492,7 +549,8 @@ class Engine:
         now = time.monotonic()
         lease = self.transfer_config.lease_s
         results = self._combined([h.transfer_id for h in self._handoffs.values() if h.sent]
-                                 + [r.transfer_id for r in self._remote.values()])
+                                 + [r.transfer_id for r in self._remote.values()] + list(self._withdrawn))
+        self._settle_withdrawn(results, now - lease)
         for rid, h in list(self._handoffs.items()):
             if not h.sent:
                 continue
@@ -534,6 +592,20 @@ class Engine:
             if self.role == "prefill":  # one record per transfer: the sender's (the receiver's is the same bytes)
                 self._transfer_stats.extend(stats)
         return outputs
+
+    def _settle_withdrawn(self, results: dict[str, TransferResult], stale: float) -> None:
+        """Free the pages of withdrawn transfers once their bytes left (or at the lease)."""
+        for tid, (seq_id, since) in list(self._withdrawn.items()):
+            if not results[tid].settled:
+                if since < stale:
+                    for agent in self.agents:
+                        agent.abort(tid)
+                continue
+            for agent in self.agents:
+                agent.release(tid)
+            del self._withdrawn[tid]
+            if seq_id is not None:
+                self.pages.free(seq_id)
 
     def _activate(self, rid: str, r: _Remote) -> list[RequestOutput]:
         del self._remote[rid]

@@ -27,6 +27,7 @@ Pages may be freed (both sides) once a request is *settled*: every pair operatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import json
@@ -46,8 +47,9 @@ from workers.stats import TransferStats
 from workers.transport import PairChannel, PeerGone, TransferError, TransferTimeout, poll_until
 
 _CLOSE = b"__close__"
-# 2: `meta` (the first token) and `batch` (several requests per payload, one status each) joined the header
-_HEADER_VERSION = 2
+# 2: `meta` (the first token) and `batch` (several requests per payload, one status each) joined the header;
+# 3: `announced` (the header goes ahead of the pages; each request's meta follows them in a trailer)
+_HEADER_VERSION = 3
 _STATUS_BYTES = 512  # the receiver's answer: one small message on the backend (reason text included)
 _STATUS_OK, _STATUS_REFUSED = 0x4F, 0x52
 _LAYOUTS_KEPT = 32  # chunk/copy plans kept per pair (one per page count seen recently)
@@ -67,9 +69,20 @@ class TransferConfig:
     # the engines' side (disaggregation): pages a prefill engine holds for a transfer, or a decode engine reserved
     # for one, are freed when nothing settles or continues the request within this many seconds
     lease_s: float = 60.0
+    # a prefill engine posts the header of the requests whose prompt completes in a step before that step's
+    # forward (`KVSender.announce`): the receiver's receives are posted while the prefill computes, so after it
+    # only the copies and the wire remain; the decode GPU holds a waiting receive for one prefill step. Off by
+    # default: on 2 x H200 it did not shorten the transfer and the waiting receive raised decode's TPOT p99
+    # (docs/benchmarks.md, "KV transfer", session 4)
+    announce: bool = False
+    # an announced payload whose pages are not released within this long (a forward that compiles kernels, a
+    # huge chunk) goes out as withdrawn (its bytes unused) and its requests go the ordinary way: it bounds how
+    # long the decode GPU holds a waiting receive, well inside the transfer timeout
+    announce_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s", "lease_s"):
+        for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s", "lease_s",
+                     "announce_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         if self.max_chunk_bytes < 1:
@@ -168,6 +181,9 @@ class KVHeader:
     # several requests in one payload (their pages back to back, in this order): (request id, pages, meta) each;
     # empty for one request (request_id, num_pages, meta above). With a batch, num_pages is the total.
     batch: tuple = ()
+    # sent ahead of the pages (`KVSender.announce`): no meta here; a trailer on the header stream follows the
+    # payload with each request's meta, or says the sender withdrew it (its bytes are sent anyway, unused)
+    announced: bool = False
 
     def encode(self) -> bytes:
         return json.dumps(self.__dict__, sort_keys=True).encode()  # tuples go as lists
@@ -276,6 +292,9 @@ class _Op:
     aborted: bool = False
     ready_event: Any = None  # sender on CUDA: the caller's stream has produced the pages by then
     meta: dict | None = None  # sender: rides in the header; receiver: what the header carried
+    announced: bool = False  # sender: registered by `announce`; `send_many` (or its `withdrawn`) completes it
+    withdrawn: bool = False  # sender: announced, then not sent (the first token ended the request)
+    released: bool = False  # sender: announced, then sent or withdrawn (once only)
     marks: dict[str, float] = field(default_factory=dict)  # phase name -> time.monotonic() (see TransferResult)
 
 
@@ -682,6 +701,26 @@ def _decode_statuses(buf: torch.Tensor, n: int) -> list[tuple[bool, str]]:
     return out
 
 
+def _encode_trailer(ops: Sequence[_Op]) -> bytes:
+    """What follows an announced payload on the header stream: each request's meta (payload order) and which
+    requests the sender withdrew (their bytes came, unused)."""
+    return json.dumps({"trailer": [op.meta for op in ops],
+                       "withdrawn": [i for i, op in enumerate(ops) if op.withdrawn]}).encode()
+
+
+def _decode_trailer(raw: bytes, n: int) -> tuple[list[dict | None], set[int]]:
+    """(meta per request, indices withdrawn) of an announced payload of `n` requests; ValueError if it is not
+    a trailer of that many (the pair is then out of step)."""
+    try:
+        d = json.loads(raw)
+        metas, withdrawn = d["trailer"], {int(i) for i in d["withdrawn"]}
+    except Exception as exc:
+        raise ValueError(f"undecodable KV trailer {raw[:120]!r}: {exc}") from exc
+    if len(metas) != n or not withdrawn <= set(range(n)):
+        raise ValueError(f"KV trailer for {len(metas)} requests, the header announced {n}")
+    return metas, withdrawn
+
+
 # ---- sender -------------------------------------------------------------------------------------------------
 @dataclass(kw_only=True)
 class _Flight:
@@ -698,13 +737,20 @@ class _Flight:
     sums: torch.Tensor | None = None  # [chunks] int64 on the device, when checksums travel
     sums_posted: bool = False
     ack: tuple | None = None  # (work, status buffer): the receiver's answer, posted after the payload
+    announced: bool = False  # its header went ahead (`announce`): a trailer follows the pages
+    expired: bool = False  # announced, pages not released in time: sent withdrawn with stand-in ops
+    trailer_posted: bool = False
 
 
 class _Slot:
-    """A transfer the caller's thread posted (None: it ended while posting), for the pair's thread to complete."""
+    """A transfer the caller's thread posted (None: it ended while posting), for the pair's thread to complete.
+    An announced one (`go` not None) had only its header posted: the pair's thread waits for `go` (its pages
+    posted by `release`) before completing it, and every later transfer waits behind it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, waiting: set[str] | None = None) -> None:
         self.flight: _Flight | None = None
+        self.waiting = waiting or set()  # announced: request ids whose pages are not released yet
+        self.go = threading.Event() if waiting else None
 
 
 class _SendWorker(_PairWorker):
@@ -717,6 +763,7 @@ class _SendWorker(_PairWorker):
         self.queue: queue.Queue = queue.Queue()  # _Op to post, _Slot being posted by a caller, None = stop
         self._lock = threading.Lock()
         self._active = 0  # items submitted and not finished: posting inline is only allowed when 0
+        self._announced: _Slot | None = None  # the announced payload whose pages are not all released yet
 
     def stop(self) -> None:
         super().stop()
@@ -741,6 +788,86 @@ class _SendWorker(_PairWorker):
             finally:
                 self.queue.put(slot)
 
+    def announce(self, ops: list[_Op]) -> bool:
+        """Post the header of `ops` (one payload) now, ahead of their pages (`release` posts those): only when
+        the pair is idle. False (nothing done) when it is busy: the ops then go the ordinary way."""
+        with self._lock:
+            if not (self._active == 0 and self.ready.is_set() and self.broken is None and ops):
+                return False
+            self._active += 1
+            slot = _Slot(waiting={op.request_id for op in ops})
+            try:
+                slot.flight = self._open(ops, announced=True)
+            finally:
+                if slot.flight is None:  # failed while posting (the ops ended FAILED): nothing will follow
+                    slot.go.set()
+                else:
+                    self._announced = slot
+                self.queue.put(slot)
+            return True
+
+    def release(self, ops: list[_Op]) -> list[_Op]:
+        """The pages of these announced ops are ready (their meta set) or withdrawn: once no op of the announced
+        payload is left waiting, post its pages and trailer from the caller's thread. Returns the ops that are
+        not in that payload (the pair was busy when they were announced)."""
+        with self._lock:
+            slot = self._announced
+            mine = [op for op in ops if slot is not None and op.request_id in slot.waiting]
+            if not mine:
+                return list(ops)
+            slot.waiting.difference_update(op.request_id for op in mine)
+            if not slot.waiting:
+                self._announced = None
+                try:
+                    slot.flight = self._post_data(slot.flight)
+                finally:
+                    slot.go.set()
+        return [op for op in ops if op not in mine]
+
+    def _await_go(self, slot: _Slot) -> None:
+        """The pair's thread, at an announced payload: wait until its pages are posted. At `announce_wait_s`
+        the payload goes out as withdrawn instead (`_expire_announced`); at a stop it is given up and the pair
+        broken (the receiver waits on receives that no send will match)."""
+        expire = time.monotonic() + self.end.config.announce_wait_s
+        while not slot.go.wait(0.02):
+            now = time.monotonic()
+            if not (self._stopping or now > expire):
+                continue
+            with self._lock:
+                if slot.go.is_set():
+                    return
+                self._announced, flight = None, slot.flight
+                if not self._stopping:
+                    slot.flight = self._expire_announced(flight, slot.waiting)
+                    slot.go.set()
+                    return
+                slot.flight = None
+                slot.go.set()
+            self._fail(flight.ops, TransferError("internal", "stopped with an announced payload unsent"))
+            return
+
+    def _expire_announced(self, flight: _Flight, waiting: set[str]) -> _Flight | None:
+        """(Pair lock held.) Send an announced payload whose pages did not all come in time as withdrawn
+        (stand-in ops: the receiver's receives are matched and it forgets the requests) and put its requests
+        back to PENDING, no longer announced on this pair: `send_many` sends those still `waiting` as an
+        ordinary payload, and the ones it already released are queued so now (withdrawn ones end here)."""
+        stand_ins = [dataclasses.replace(op, withdrawn=True, marks={}, started=None) for op in flight.ops]
+        with self.end._cond:
+            for op in flight.ops:
+                if op.state is TransferState.TRANSFERRING:
+                    op.state, op.started = TransferState.PENDING, None
+            self.end._cond.notify_all()
+        released = [op for op in flight.ops if op.request_id not in waiting]
+        for op in released:
+            if op.withdrawn:
+                self.end._finish(op, TransferState.FAILED, "withdrawn by the sender")
+        again = [op for op in released if not op.withdrawn]
+        if again:
+            self._active += 1
+            self.queue.put(again)  # right behind this payload
+        flight.ops, flight.expired = stand_ins, True
+        return self._post_data(flight)
+
     def _loop(self) -> None:
         while True:
             item = self.queue.get()
@@ -751,6 +878,8 @@ class _SendWorker(_PairWorker):
                 return
             try:
                 if isinstance(item, _Slot):
+                    if item.go is not None:
+                        self._await_go(item)
                     flight = item.flight
                 else:
                     flight = self._post(item)
@@ -760,9 +889,10 @@ class _SendWorker(_PairWorker):
                 with self._lock:
                     self._active -= 1
 
-    def _header(self, ops: list[_Op]) -> KVHeader:
+    def _header(self, ops: list[_Op], announced: bool) -> KVHeader:
         r, end, op = self.route, self.end, ops[0]
-        batch = tuple((o.request_id, o.page_ids.numel(), o.meta) for o in ops) if len(ops) > 1 else ()
+        batch = (tuple((o.request_id, o.page_ids.numel(), None if announced else o.meta) for o in ops)
+                 if len(ops) > 1 else ())
         return KVHeader(request_id=op.request_id, num_pages=sum(o.page_ids.numel() for o in ops),
                         num_layers=end.kv.num_layers,
                         page_size=end.kv.page_size, head_start=r.head_start, head_end=r.head_end,
@@ -771,12 +901,19 @@ class _SendWorker(_PairWorker):
                                    if r.with_index and end.index_layers else 0),
                         index_layers=end.index_layers if r.with_index else (), dtype=str(end.dtype),
                         element_size=end.kv.k[0].element_size(), max_chunk_bytes=end.config.max_chunk_bytes,
-                        checksum=end.config.verify_checksum, meta=None if batch else op.meta, batch=batch)
+                        checksum=end.config.verify_checksum, meta=None if batch or announced else op.meta,
+                        batch=batch, announced=announced)
 
     def _post(self, ops: list[_Op]) -> _Flight | None:
         """Header, then the first chunks (up to the in-flight cap) and, when they are all, the status receive.
         The ops still PENDING go as one payload (those aborted while queued are left out). Returns None when
         nothing is left to send (all aborted, broken pair, a failure while posting)."""
+        flight = self._open(ops, announced=False)
+        return None if flight is None else self._post_data(flight)
+
+    def _open(self, ops: list[_Op], *, announced: bool) -> _Flight | None:
+        """Post the header of the ops still PENDING (TRANSFERRING from here) and upload their page ids; None when
+        nothing is left to send (see `_post`). `announced`: the header goes ahead of the pages and says so."""
         now = time.monotonic()
         with self.end._cond:
             ops = [op for op in ops if op.state is TransferState.PENDING]  # not aborted while queued / failed fast
@@ -792,7 +929,7 @@ class _SendWorker(_PairWorker):
         cfg = self.end.config
         tag = "|".join(op.request_id for op in ops)
         try:
-            header = self._header(ops)
+            header = self._header(ops, announced)
             layout = self._layout(header)
         except Exception as exc:
             self._fail(ops, exc)
@@ -809,15 +946,27 @@ class _SendWorker(_PairWorker):
             op.marks["header"] = sent
         host_ids = ops[0].page_ids if len(ops) == 1 else torch.cat([op.page_ids for op in ops])
         flight = _Flight(ops=ops, tag=tag, page_ids=host_ids, layout=layout, deadline=now + cfg.timeout_s,
-                         checksum=header.checksum)
+                         checksum=header.checksum, announced=announced)
         try:
             with self._on_stream():
-                if ops[0].ready_event is not None:  # the pages were written on the caller's stream
-                    self._stream.wait_event(ops[0].ready_event)
                 # after the header (it needs only the count), ordered before the gathers on this stream
                 flight.page_ids = host_ids.to(self.end.device, non_blocking=True)
+        except Exception as exc:
+            self._fail(ops, exc)
+            return None
+        return flight
+
+    def _post_data(self, flight: _Flight) -> _Flight | None:
+        """The pages of an opened payload: the first chunks and, once they are all posted, an announced one's
+        trailer (each request's meta, or withdrawn) and the status receive. None after a failure."""
+        ops = flight.ops  # the deadline still runs from the header (as the receiver's does)
+        try:
+            with self._on_stream():
+                ready = next((op.ready_event for op in ops if op.ready_event is not None), None)
+                if ready is not None:  # the pages were written on the caller's stream
+                    self._stream.wait_event(ready)
                 if flight.checksum:
-                    flight.sums = torch.empty(len(layout.sizes), dtype=torch.int64, device=self.end.device)
+                    flight.sums = torch.empty(len(flight.layout.sizes), dtype=torch.int64, device=self.end.device)
                 self._post_chunks(flight, block=False)
         except Exception as exc:
             self._fail(ops, exc)
@@ -845,6 +994,10 @@ class _SendWorker(_PairWorker):
                 self.channel.wait_work(flight.sends.popleft()[0], flight.deadline, "send")
             i = flight.next_chunk
             buf = self._gather(flight, i)
+            if i == 0:
+                gathered = time.monotonic()
+                for op in flight.ops:
+                    op.marks["gather0"] = gathered
             if flight.checksum:
                 flight.sums[i] = _words_sum(buf)
             flight.sends.append((self.channel.send(buf, tag=rid), buf))
@@ -856,6 +1009,9 @@ class _SendWorker(_PairWorker):
         if flight.checksum and not flight.sums_posted:
             flight.sends.append((self.channel.send(flight.sums, tag=rid), flight.sums))
             flight.sums_posted = True
+        if flight.announced and not flight.trailer_posted:  # the receiver answers only once it read it
+            self.channel.post_header(_encode_trailer(flight.ops), tag=rid)
+            flight.trailer_posted = True
         if flight.ack is None:
             status = torch.empty(_STATUS_BYTES * len(flight.ops), dtype=torch.uint8, device=self.end.device)
             flight.ack = (self.channel.recv(status, tag=rid), status)
@@ -875,6 +1031,8 @@ class _SendWorker(_PairWorker):
                 self.channel.wait_work(flight.sends.popleft()[0], flight.deadline, "send")
         except Exception as exc:
             self._fail(flight.ops, exc)
+            return
+        if flight.expired:  # stand-ins: the real requests were put back to PENDING
             return
         for op, (ok, reason) in zip(flight.ops, answers):
             op.marks["acked"] = acked
@@ -902,34 +1060,95 @@ class KVSender(_Endpoint):
         self.send_many([(request_id, page_ids, meta)], peers=peers)
 
     def send_many(self, items: Sequence[tuple[str, Sequence[int] | torch.Tensor, dict | None]], *,
-                  peers: Sequence[str] | None = None) -> None:
+                  peers: Sequence[str] | None = None, withdrawn: Sequence[str] = ()) -> None:
         """Send several requests (request id, page ids, meta) down each pair as one payload: one header, their
         pages back to back, one status with an answer per request. What a prefill step that finished several
         prompts sends: one transfer's fixed costs (header, posts, launches, the status round trip) instead of one
-        per request, which on a pair queue behind each other. Each request keeps its own state and result."""
+        per request, which on a pair queue behind each other. Each request keeps its own state and result.
+
+        Requests `announce`d before go with their announced payload (their page ids and `peers` are the
+        announced ones); `withdrawn`: announced requests that will not be sent after all (the first token ended
+        them). Their bytes still travel (a receiver's receives are posted), and the receiver forgets them; their
+        result here ends FAILED ("withdrawn"). An announced payload goes once none of its requests is waiting."""
+        with self._cond:  # checked before anything is registered or marked
+            fresh = [it for it in items if it[0] not in self._ops]
+            known = [it for it in items if it[0] in self._ops]
+            later = [self._announced_ops(rid) for rid, _ids, _m in known]
+            gone = [self._announced_ops(rid) for rid in withdrawn]
+        per_request = self._register_many([(rid, ids) for rid, ids, _m in fresh], peers)
+        for ops, (_rid, _ids, meta) in zip(per_request, fresh):
+            for op in ops.values():
+                op.meta = meta
+        now = time.monotonic()
+        with self._cond:
+            for ops, (_rid, _ids, meta) in zip(later, known):
+                for op in ops.values():
+                    op.meta, op.released, op.marks["called"] = meta, True, now
+            for ops in gone:
+                for op in ops.values():
+                    op.withdrawn = op.released = True
+        ready = None
+        if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        by_peer: dict[str, tuple[list[_Op], list[_Op]]] = {}  # peer -> (announced ops, new ops)
+        for ops in [*later, *gone]:
+            for name, op in ops.items():
+                op.ready_event = ready
+                by_peer.setdefault(name, ([], []))[0].append(op)
+        for ops in per_request:
+            for name, op in ops.items():
+                op.ready_event = ready
+                by_peer.setdefault(name, ([], []))[1].append(op)
+        for name, (announced, new) in by_peer.items():
+            rest = self._workers[name].release(announced) if announced else []
+            for op in rest:  # announced while the pair was busy: nothing went ahead of them
+                if op.withdrawn:
+                    self._finish(op, TransferState.FAILED, "withdrawn by the sender")
+            queued = [op for op in rest if not op.withdrawn] + new
+            if queued:
+                self._workers[name].submit(queued)
+
+    def announce(self, items: Sequence[tuple[str, Sequence[int] | torch.Tensor]], *,
+                 peers: Sequence[str] | None = None) -> None:
+        """Send the header of requests (request id, page ids) whose pages are still being written (a prefill
+        step's forward), so the receiver posts its receives meanwhile; `send_many` (or its `withdrawn`) must
+        follow for every one of them, soon (a pair waits for it, at most the transfer timeout, then breaks). On
+        a pair that is busy nothing goes ahead: those requests are sent the ordinary way by `send_many`."""
+        per_request = self._register_many(list(items), peers)
+        now = time.monotonic()
+        for ops in per_request:
+            for op in ops.values():
+                op.announced, op.marks["announced"] = True, now
+        if not per_request:
+            return
+        for name in per_request[0]:
+            ops = [r[name] for r in per_request if r[name].state is TransferState.PENDING]
+            self._workers[name].announce(ops)
+
+    def _announced_ops(self, request_id: str) -> dict[str, _Op]:
+        ops = self._ops.get(request_id, {})
+        if not ops:
+            raise ValueError(f"withdrawn: {request_id!r} was not announced on this sender")
+        if not all(op.announced for op in ops.values()):
+            raise ValueError(f"request_id: {request_id!r} already has a transfer on this sender")
+        if any(op.released for op in ops.values()):
+            raise ValueError(f"request_id: {request_id!r} was sent or withdrawn already")
+        return ops
+
+    def _register_many(self, items: Sequence[tuple[str, Sequence[int] | torch.Tensor]],
+                       peers: Sequence[str] | None) -> list[dict[str, _Op]]:
+        """One op per peer for each request (page ids stay on the host until a header left); all or none."""
         per_request: list[dict[str, _Op]] = []
         try:
-            for request_id, page_ids, meta in items:
-                ops = self._register(request_id, page_ids, peers, upload=False)
-                for op in ops.values():
-                    op.meta = meta
-                per_request.append(ops)
+            for request_id, page_ids in items:
+                per_request.append(self._register(request_id, page_ids, peers, upload=False))
         except ValueError:
             with self._cond:  # none of them was submitted: forget the ones registered
                 for ops in per_request:
                     self._ops.pop(next(iter(ops.values())).request_id, None)
             raise
-        if not per_request:
-            return
-        ready = None
-        if self.device.type == "cuda":  # the copy stream must see the prefill's writes to these pages
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        for name in per_request[0]:
-            ops = [r[name] for r in per_request]
-            for op in ops:
-                op.ready_event = ready
-            self._workers[name].submit(ops)
+        return per_request
 
 
 # ---- receiver -----------------------------------------------------------------------------------------------
@@ -1010,6 +1229,7 @@ class _RecvWorker(_PairWorker):
         items = header.items()
         tag = "|".join(rid for rid, _n, _m in items)
         claims: list[tuple[_Op | None, str | None]] = []
+        withdrawn: set[int] = set()
         try:
             with self._on_stream():
                 pending = deque(self._post_recv(i, n, tag) for i, n in enumerate(sizes[:cfg.max_inflight_chunks]))
@@ -1040,6 +1260,8 @@ class _RecvWorker(_PairWorker):
                     if op is not None:
                         op.marks["posted"] = posted
                 self._settle_stream(deadline)
+                if header.announced:  # each request's meta, or withdrawn, follows its pages
+                    claims, withdrawn = self._read_trailer(claims, deadline, tag)
                 if header.checksum and not torch.equal(sums, sent):
                     bad = f"checksum mismatch: sent {sent.tolist()} received {sums.tolist()}"
                     claims = [(op, problem or bad) for op, problem in claims]
@@ -1052,8 +1274,13 @@ class _RecvWorker(_PairWorker):
             return False
         answers = []
         landed = time.monotonic()
-        for op, problem in claims:
+        for k, (op, problem) in enumerate(claims):
             ok, reason = problem is None, problem
+            if k in withdrawn:
+                answers.append((False, problem))
+                if op is not None:
+                    self._unclaim(op)
+                continue
             if op is not None:
                 op.marks["landed"] = landed
                 with self.end._cond:
@@ -1072,6 +1299,36 @@ class _RecvWorker(_PairWorker):
             self._break(str(exc))
             return False
         return True
+
+    def _read_trailer(self, claims: list, deadline: float, tag: str) -> tuple[list, set[int]]:
+        """After an announced payload's pages: the trailer with each request's meta. A withdrawn request's
+        claim gets a problem (the sender is answered so) and its index is returned: it goes back to waiting.
+        TransferError when no trailer (of this payload) comes: the pair is out of step."""
+        try:
+            raw = self.channel.next_header(max(0.0, deadline - time.monotonic()), tag=tag)
+            metas, withdrawn = _decode_trailer(raw, len(claims))
+        except ValueError as exc:
+            raise TransferError("internal", str(exc)) from None
+        out = []
+        for k, ((op, problem), meta) in enumerate(zip(claims, metas)):
+            if k in withdrawn:
+                problem = "withdrawn by the sender"
+            elif op is not None and problem is None:
+                op.meta = meta
+            out.append((op, problem))
+        return out, withdrawn
+
+    def _unclaim(self, op: _Op) -> None:
+        """A withdrawn request: PENDING again (as if nothing had come; its pages' contents are undefined), or
+        FAILED if it was aborted meanwhile."""
+        with self.end._cond:
+            if op.aborted:
+                op.state, op.reason, op.finished = TransferState.FAILED, "aborted", time.monotonic()
+            else:
+                op.state, op.started, op.meta = TransferState.PENDING, None, None
+                op.marks.clear()
+            self.end._cond.notify_all()
+        self.end._notify()
 
     def _landing_pages(self, header: KVHeader, claims: list) -> tuple[torch.Tensor | None, list | None]:
         """(page ids the payload's pages land in, the scatter plans), or (None, None) when nothing is accepted
@@ -1173,9 +1430,9 @@ class FaultyChannel:
         fault = self._fault(tag)
         if fault == "peer_gone":
             raise PeerGone(f"injected for {tag!r}")
-        if fault == "corrupt_header":
+        d = json.loads(value) if fault == "corrupt_header" and value != _CLOSE else {}
+        if "dtype" in d:  # a header (not an announced payload's trailer)
             # a wrong dtype of the same element size: the payload size stays what the sender sends
-            d = json.loads(value)
             d["dtype"] = {2: "torch.float16" if d["dtype"] != "torch.float16" else "torch.bfloat16",
                           4: "torch.int32"}.get(d["element_size"], "torch.uint8")
             value = json.dumps(d).encode()
@@ -1341,9 +1598,10 @@ class TransferAgent:
             raise ValueError(f"group: {group!r} has no pairs into this decode shard")
         self.end.prepare_receive(transfer_id, page_ids, peers=peers)
 
-    def send_many(self, items: Sequence[tuple[str, Sequence[int], dict | None]], group: str) -> None:
+    def send_many(self, items: Sequence[tuple[str, Sequence[int], dict | None]], group: str,
+                  withdrawn: Sequence[str] = ()) -> None:
         """Send requests' pages (transfer id, page ids, meta) to `group` as one payload per pair (the engine sends
-        what one step handed off)."""
+        what one step handed off); `withdrawn`: requests announced to `group` that are not sent after all."""
         peers = self._peers(group)
         if not peers:  # another replica of this shard's heads sends them: nothing to move from here
             busy = [t for t, _ids, _m in items if t in self._idle or t in self.end._ops]
@@ -1351,8 +1609,17 @@ class TransferAgent:
                 raise ValueError(f"request_id: {busy[0]!r} already has a transfer on this prefill")
             for transfer_id, page_ids, _meta in items:
                 self._idle[transfer_id] = len(page_ids)
+            for transfer_id in withdrawn:
+                self._idle[transfer_id] = 0
             return
-        self.end.send_many(items, peers=peers)
+        self.end.send_many(items, peers=peers, withdrawn=withdrawn)
+
+    def announce(self, items: Sequence[tuple[str, Sequence[int]]], group: str) -> None:
+        """Before the prefill step that writes their last pages: the headers of requests (transfer id, page
+        ids) go to `group` now (`KVSender.announce`); `send_many` must follow for each, with or `withdrawn`."""
+        peers = self._peers(group)
+        if peers:  # else nothing moves from this shard (see send_many)
+            self.end.announce(items, peers=peers)
 
     def _idle_result(self, transfer_id: str) -> TransferResult:
         return TransferResult(request_id=transfer_id, state=TransferState.DONE, settled=True,

@@ -13,7 +13,7 @@ from tests.workers.disagg_helpers import drive_pair
 from workers.config import EngineConfig
 from workers.engine import Engine, role_engine_config
 from workers.request import SamplingParams
-from workers.transfer import TransferConfig
+from workers.transfer import TransferConfig, TransferState
 
 # prompts past 64 tokens: the tiny model's sparse layers select 4 of up to 10 blocks
 LENGTHS = [5, 17, 33, 64, 65, 90, 120, 150]
@@ -34,7 +34,7 @@ def engine_config(**kw) -> EngineConfig:
 def pair(tiny_ckpt):
     """(prefill engine, decode engine) with one open gloo pair; short timeouts so failure cases stay fast."""
     torch.set_num_threads(1)
-    cfg = TransferConfig(timeout_s=1.5, receive_timeout_s=30.0, lease_s=5.0)
+    cfg = TransferConfig(timeout_s=1.5, receive_timeout_s=30.0, lease_s=5.0, announce=True)
     prefill = Engine(tiny_ckpt, engine_config=engine_config(), role="prefill", transfer=cfg)
     decode = Engine(tiny_ckpt, engine_config=engine_config(), role="decode", transfer=cfg)
     connect(prefill, decode, 0)
@@ -318,4 +318,30 @@ def test_handoff_marks_on_both_sides(pair):
     assert pm["send"][0] <= pm["settled"][0] and pm["settled"][1]["called"] <= pm["settled"][1]["acked"]
     assert dm["admitted"][0] <= pm["send"][0] <= dm["landed"][0] <= dm["activated"][0]
     assert dm["first_known"][0] <= dm["activated"][0]
+    # the header went ahead of the pages (announced before the prefill's forward): the receiver read it before
+    # the sender was called to send them
+    assert "announced" in pm["settled"][1] and dm["landed"][1]["header"] <= pm["settled"][1]["called"]
+    assert_empty(prefill, decode)
+
+
+def test_a_request_ended_by_its_first_token_after_its_header_went_ahead_is_withdrawn(pair):
+    """Announced, then its first token is a stop token: its bytes go with the others' payload but count for
+    nothing. Its decode reservation waits on (PENDING) until the router drops it; the other request lands and
+    decodes; both pools and both transfer ledgers end empty."""
+    prefill, decode = pair
+    p, other = prompts()[5], prompts()[6]
+    prefill.add_request("probe", p, SamplingParams(temperature=0.0, max_tokens=1))
+    first = None
+    while prefill.has_unfinished():
+        first = next((o.outputs[0].token_ids[0] for o in prefill.step() if o.finished), first)
+    sent_before = prefill.agents[0].end._workers[f"{D_GROUP}/0"].seq
+    submit(prefill, decode, "w", p, SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=(first,)))
+    submit(prefill, decode, "k", other, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    st = drive(prefill, decode, lambda s: "w" in s["first"] and "k" in s["out"] and "k" in s["outcomes"])
+    assert st["first"]["w"].outputs[0].finish_reason == "stop" and "w" not in st["outcomes"]
+    assert st["outcomes"]["k"] == (True, None) and len(st["out"]["k"].outputs[0].token_ids) == 3
+    assert prefill.agents[0].end._workers[f"{D_GROUP}/0"].seq == sent_before + 1  # one payload for both
+    assert decode.agents[0].end.result("w").state is TransferState.PENDING
+    assert decode.abort_request("w")  # the router's part: the prefill answered alone
+    drive(prefill, decode, lambda s: not (prefill.has_unfinished() or decode.has_unfinished()))
     assert_empty(prefill, decode)

@@ -23,8 +23,9 @@ from msa.config import M3Config
 from msa.kv_cache import KVCache
 from msa.parallel import ParallelContext
 from workers.configio import load_yaml, preset_path
-from workers.transfer import (FaultyChannel, KVHeader, KVReceiver, KVSender, Route, Segment, TransferConfig,
-                              TransferState, chunk_nbytes, kv_heads_of_rank, plan_chunks, plan_routes)
+from workers.transfer import (_HEADER_VERSION, FaultyChannel, KVHeader, KVReceiver, KVSender, Route, Segment,
+                              TransferConfig, TransferState, chunk_nbytes, kv_heads_of_rank, plan_chunks,
+                              plan_routes)
 from workers.transport import PairChannel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -340,7 +341,7 @@ class _OldVersionChannel:
 
     def post_header(self, raw, *, tag=""):
         d = json.loads(raw)
-        del d["meta"], d["batch"]
+        del d["meta"], d["batch"], d["announced"]
         d["version"] = 1
         return self.inner.post_header(json.dumps(d).encode(), tag=tag)
 
@@ -356,7 +357,7 @@ def test_a_header_of_another_version_is_refused_and_the_pair_stays_in_step():
         sender.send("v1", [4, 5])
         s, r = sender.wait("v1", 20), receiver.wait("v1", 20)
         assert (s.state, r.state) == (TransferState.FAILED, TransferState.FAILED)
-        assert "version 1 != 2" in r.reason and "rejected by receiver" in s.reason
+        assert f"version 1 != {_HEADER_VERSION}" in r.reason and "rejected by receiver" in s.reason
         assert not dst.k[0][[2, 3]].any()
         old.post_header = old.inner.post_header  # the sender upgraded: the same pair carries the next one
         receiver.prepare_receive("v2", [2, 3])
@@ -408,6 +409,112 @@ def test_send_many_is_one_payload_and_a_refused_request_in_it_writes_nothing():
         sender.send("after", [7])
         assert sender.wait("after", 20).state is TransferState.DONE
         _assert_pages_equal(dst, [15], src, [7])
+    finally:
+        sender.close(), receiver.close()
+
+
+def _landed_states(end, rids) -> list[TransferState]:
+    return [end.result(r).state for r in rids]
+
+
+def test_announced_payload_receives_posted_before_the_pages_meta_in_the_trailer_and_withdrawal():
+    """`announce` sends the header while the pages are still being written: the receiver has claimed the
+    requests (TRANSFERRING) before any page is released. `send_many` then moves the pages (bitwise) with each
+    request's meta in a trailer; a `withdrawn` request's bytes travel but its receiver waits again (PENDING, not
+    written as far as it knows) and a later ordinary send of it lands; the pair stays in step."""
+    src, dst = _filled_cache(16, seed=41), KVCache.allocate(_tiny(), 20)
+    cfg = TransferConfig(timeout_s=20, max_chunk_bytes=30_000)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
+    try:
+        sender.wait_ready(30), receiver.wait_ready(30)
+        plan = {"a-0": ([3, 1], [10, 4]), "a-1": ([9], [0]), "a-2": ([2, 5, 6], [8, 2, 19])}
+        for rid, (_s, d_ids) in plan.items():
+            receiver.prepare_receive(rid, d_ids)
+        sender.announce([(rid, s_ids) for rid, (s_ids, _d) in plan.items()])
+        deadline = time.monotonic() + 20
+        while _landed_states(receiver, plan) != [TransferState.TRANSFERRING] * 3:
+            assert time.monotonic() < deadline, _landed_states(receiver, plan)
+            time.sleep(0.01)
+        time.sleep(0.2)  # nothing lands before the pages are released
+        assert _landed_states(receiver, plan) == [TransferState.TRANSFERRING] * 3
+        assert sender.result("a-0").state is TransferState.TRANSFERRING
+        sender.send_many([("a-0", [3, 1], {"first": 5}), ("a-2", [2, 5, 6], {"first": 6})], withdrawn=["a-1"])
+        for rid, meta in (("a-0", {"first": 5}), ("a-2", {"first": 6})):
+            s, r = sender.wait(rid, 20), receiver.wait(rid, 20)
+            assert (s.state, r.state) == (TransferState.DONE, TransferState.DONE) and r.meta == meta
+            _assert_pages_equal(dst, plan[rid][1], src, plan[rid][0])
+            sender.release(rid), receiver.release(rid)
+        s = sender.wait("a-1", 20)
+        assert s.state is TransferState.FAILED and "withdrawn" in s.reason
+        assert receiver.result("a-1").state is TransferState.PENDING and receiver.result("a-1").meta is None
+        with pytest.raises(ValueError, match="sent or withdrawn already"):
+            sender.send_many([("a-1", [9], None)])
+        assert tx.header_calls == [("post", "a-0|a-1|a-2"), ("post", "a-0|a-1|a-2")]  # header, trailer
+        sender.release("a-1")
+        sender.send("a-1", [11])  # e.g. its prefill retried: the waiting receive takes it
+        assert receiver.wait("a-1", 20).state is TransferState.DONE
+        _assert_pages_equal(dst, [0], src, [11])
+    finally:
+        sender.close(), receiver.close()
+
+
+def test_announce_on_a_busy_pair_goes_the_ordinary_way_in_order():
+    """A second announce while the first payload waits for its pages posts nothing ahead: `send_many` sends
+    it after the first. Withdrawing a request whose header never went ahead sends nothing for it."""
+    src, dst = _filled_cache(12, seed=42), KVCache.allocate(_tiny(), 12)
+    cfg = TransferConfig(timeout_s=20)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
+    try:
+        sender.wait_ready(30), receiver.wait_ready(30)
+        for rid, d_ids in (("x", [1]), ("y", [2, 3]), ("z", [4])):
+            receiver.prepare_receive(rid, d_ids)
+        sender.announce([("x", [5])])
+        sender.announce([("y", [6, 7]), ("z", [8])])  # the pair waits for x's pages: nothing goes ahead
+        sender.send_many([("y", [6, 7], {"n": 2})], withdrawn=["z"])  # queued behind x
+        assert sender.result("z").state is TransferState.FAILED and "withdrawn" in sender.result("z").reason
+        time.sleep(0.2)
+        assert receiver.result("y").state is TransferState.PENDING
+        sender.send_many([("x", [5], {"n": 1})])
+        for rid, s_ids, d_ids, meta in (("x", [5], [1], {"n": 1}), ("y", [6, 7], [2, 3], {"n": 2})):
+            assert receiver.wait(rid, 20).state is TransferState.DONE and receiver.result(rid).meta == meta
+            assert sender.wait(rid, 20).state is TransferState.DONE
+            _assert_pages_equal(dst, d_ids, src, s_ids)
+        assert receiver.result("z").state is TransferState.PENDING
+        assert [c for c in tx.header_calls if c[0] == "post"] == [("post", "x"), ("post", "x"), ("post", "y")]
+    finally:
+        sender.close(), receiver.close()
+
+
+def test_announced_pages_late_go_the_ordinary_way_and_the_pair_stays_in_step():
+    """An announced payload whose pages are not released within `announce_wait_s` (a forward compiling its
+    kernels): it goes out withdrawn (the receiver's receives matched, its requests waiting again) and the
+    requests are back to PENDING on both sides; when the pages do come, they go as an ordinary payload."""
+    src, dst = _filled_cache(8, seed=43), KVCache.allocate(_tiny(), 8)
+    cfg = TransferConfig(timeout_s=20, announce_wait_s=0.3)
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
+    try:
+        sender.wait_ready(30), receiver.wait_ready(30)
+        receiver.prepare_receive("late", [1, 2])
+        receiver.prepare_receive("late-2", [5])
+        sender.announce([("late", [3, 4]), ("late-2", [6])])
+        deadline = time.monotonic() + 20
+        while len(tx.header_calls) < 2:  # header, then (at the wait's end) the withdrawn payload's trailer
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        while _landed_states(receiver, ["late", "late-2"]) != [TransferState.PENDING] * 2:
+            assert time.monotonic() < deadline, _landed_states(receiver, ["late", "late-2"])
+            time.sleep(0.02)
+        assert sender.result("late").state is TransferState.PENDING and not sender.broken_peers()
+        sender.send_many([("late", [3, 4], {"first": 9})], withdrawn=["late-2"])
+        assert receiver.wait("late", 20).state is TransferState.DONE and receiver.result("late").meta == {"first": 9}
+        assert sender.wait("late", 20).state is TransferState.DONE
+        _assert_pages_equal(dst, [1, 2], src, [3, 4])
+        assert "withdrawn" in sender.wait("late-2", 20).reason  # its header never went ahead again: nothing sent
+        assert receiver.result("late-2").state is TransferState.PENDING
+        assert [c for c in tx.header_calls if c[0] == "post"] == [("post", "late|late-2")] * 2 + [("post", "late")]
     finally:
         sender.close(), receiver.close()
 
@@ -680,11 +787,13 @@ def test_benchmark_cpu_smoke_reports_the_time_split(tmp_path):
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     out = json.loads((tmp_path / "bench_kv_transfer.json").read_text())
-    assert out["failures"] == [] and len(out["rows"]) == 1
-    row = out["rows"][0]
-    assert row["bytes"] == 4 * KVCache.bytes_per_page(_tiny()) and row["messages"] == 3
+    assert out["failures"] == [] and [r["mode"] for r in out["rows"]] == ["plain", "announced"]
+    row, announced = out["rows"]
+    assert row["bytes"] == announced["bytes"] == 4 * KVCache.bytes_per_page(_tiny()) and row["messages"] == 3
     split = row["split_s"]
     assert set(split) == {"post", "header", "payload", "ack", "wake"} and min(split.values()) >= 0, split
     # the phases after send() tile the sender's wall time (medians of each, so only roughly)
     assert 0 < split["header"] + split["payload"] + split["ack"] + split["wake"] < 3 * row["ours_s"] + 0.05
-    assert "where ours goes" in proc.stdout
+    # announced: the receiver held the header before send_many was called (during the stand-in forward)
+    assert announced["split_s"]["header"] < 0 and announced["timeline_ms"]["r_header"] < 0
+    assert "where ours goes" in proc.stdout and "8k" not in proc.stdout
