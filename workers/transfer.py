@@ -298,6 +298,13 @@ class _Op:
     marks: dict[str, float] = field(default_factory=dict)  # phase name -> time.monotonic() (see TransferResult)
 
 
+def _mark(ops: Sequence[_Op], phase: str) -> None:
+    """Stamp a phase on every op (time.monotonic(): the transfer's timeline, see TransferResult.marks)."""
+    now = time.monotonic()
+    for op in ops:
+        op.marks[phase] = now
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransferResult:
     """The state of one request over all its pairs on this end.
@@ -314,9 +321,11 @@ class TransferResult:
     seconds: float = 0.0
     num_pages: int = 0
     # when each phase ended, time.monotonic() (system-wide: comparable between processes of one host); the
-    # latest over the pairs. Sender: called (send), header (header in the store), posted (payload and status
-    # receive posted), acked (status read). Receiver: header (header read), posted (receives and scatters
-    # queued), landed (pages written).
+    # latest over the pairs. Sender: announced (its header went ahead), called (send), encoded (header built),
+    # header (header written), uploaded (page ids queued to the device), staged (first staging buffer), gather0
+    # and send0 (first chunk's copy launched / send posted), posted (payload and status receive posted), acked
+    # (status read). Receiver: header (header read), decoded, recv0 (first receive posted), claimed, posted
+    # (receives and scatters queued), landed (pages written).
     marks: Mapping[str, float] = field(default_factory=dict)
     meta: dict | None = None  # the sender's `send(..., meta=)`: as sent / as its header arrived (else None)
 
@@ -597,6 +606,9 @@ class _PairWorker:
             if self.end.device.type == "cuda":
                 torch.cuda.set_device(self.end.device)
                 self._stream = torch.cuda.Stream(self.end.device)
+                # this thread's current stream from now on (streams are per thread): its own work needs no
+                # stream switch per transfer (`_on_stream`), host time on the transfer's critical path
+                torch.cuda.set_stream(self._stream)
             self.channel.open()
         except Exception as exc:
             self._break(str(exc))
@@ -630,7 +642,7 @@ class _PairWorker:
             self.end._finish(op, TransferState.FAILED, str(exc))
 
     def _on_stream(self):
-        if self._stream is None:
+        if self._stream is None or threading.current_thread() is self.thread:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()  # the caller's thread may have another current device
         stack.enter_context(torch.cuda.device(self.end.device))
@@ -771,9 +783,7 @@ class _SendWorker(_PairWorker):
 
     def submit(self, ops: list[_Op]) -> None:
         """Post `ops` (one request, or several sent as one payload) now if the pair is idle, else queue them."""
-        now = time.monotonic()
-        for op in ops:
-            op.marks["called"] = now
+        _mark(ops, "called")
         with self._lock:
             self._active += 1
             if not (self._active == 1 and self.ready.is_set() and self.broken is None):
@@ -931,11 +941,13 @@ class _SendWorker(_PairWorker):
         try:
             header = self._header(ops, announced)
             layout = self._layout(header)
+            raw = header.encode()
         except Exception as exc:
             self._fail(ops, exc)
             return None
+        _mark(ops, "encoded")
         try:
-            self.channel.post_header(header.encode(), tag=tag)
+            self.channel.post_header(raw, tag=tag)
         except TransferError as exc:  # nothing was posted: the peer is gone
             self._fail(ops, exc)
             return None
@@ -945,16 +957,8 @@ class _SendWorker(_PairWorker):
             op.num_bytes = op.page_ids.numel() * header.page_bytes()
             op.marks["header"] = sent
         host_ids = ops[0].page_ids if len(ops) == 1 else torch.cat([op.page_ids for op in ops])
-        flight = _Flight(ops=ops, tag=tag, page_ids=host_ids, layout=layout, deadline=now + cfg.timeout_s,
-                         checksum=header.checksum, announced=announced)
-        try:
-            with self._on_stream():
-                # after the header (it needs only the count), ordered before the gathers on this stream
-                flight.page_ids = host_ids.to(self.end.device, non_blocking=True)
-        except Exception as exc:
-            self._fail(ops, exc)
-            return None
-        return flight
+        return _Flight(ops=ops, tag=tag, page_ids=host_ids, layout=layout, deadline=now + cfg.timeout_s,
+                       checksum=header.checksum, announced=announced)
 
     def _post_data(self, flight: _Flight) -> _Flight | None:
         """The pages of an opened payload: the first chunks and, once they are all posted, an announced one's
@@ -962,6 +966,9 @@ class _SendWorker(_PairWorker):
         ops = flight.ops  # the deadline still runs from the header (as the receiver's does)
         try:
             with self._on_stream():
+                # after the header (it needs only the count), ordered before the gathers on this stream
+                flight.page_ids = flight.page_ids.to(self.end.device, non_blocking=True)
+                _mark(ops, "uploaded")
                 ready = next((op.ready_event for op in ops if op.ready_event is not None), None)
                 if ready is not None:  # the pages were written on the caller's stream
                     self._stream.wait_event(ready)
@@ -979,6 +986,8 @@ class _SendWorker(_PairWorker):
     def _gather(self, flight: _Flight, i: int) -> torch.Tensor:
         """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA."""
         buf = torch.empty(flight.layout.sizes[i], dtype=torch.uint8, device=self.end.device)
+        if i == 0:
+            _mark(flight.ops, "staged")
         flight.layout.plans[i].gather(flight.page_ids, buf)
         return buf
 
@@ -995,17 +1004,13 @@ class _SendWorker(_PairWorker):
             i = flight.next_chunk
             buf = self._gather(flight, i)
             if i == 0:
-                gathered = time.monotonic()
-                for op in flight.ops:
-                    op.marks["gather0"] = gathered
+                _mark(flight.ops, "gather0")
             if flight.checksum:
                 flight.sums[i] = _words_sum(buf)
             flight.sends.append((self.channel.send(buf, tag=rid), buf))
             flight.next_chunk += 1
             if i == 0:
-                now = time.monotonic()
-                for op in flight.ops:
-                    op.marks["send0"] = now
+                _mark(flight.ops, "send0")
         if flight.checksum and not flight.sums_posted:
             flight.sends.append((self.channel.send(flight.sums, tag=rid), flight.sums))
             flight.sums_posted = True
@@ -1160,6 +1165,7 @@ class _RecvWorker(_PairWorker):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self._ok: dict[int, torch.Tensor] = {}  # all-ok status per payload size (requests), see _ok_status
+        self._decoded = 0.0  # when the current payload's header was decoded (a phase mark)
 
     def stop(self) -> None:
         super().stop()
@@ -1185,6 +1191,7 @@ class _RecvWorker(_PairWorker):
                 self._break(str(exc))
                 return
             self.seq += 1
+            self._decoded = time.monotonic()
             if not self._receive(header, arrived):
                 return
 
@@ -1241,7 +1248,7 @@ class _RecvWorker(_PairWorker):
                     if op is not None:
                         op.num_bytes = n * header.page_bytes()
                         op.meta = meta if problem is None else None
-                        op.marks.update(header=arrived, recv0=recv0, claimed=claimed)
+                        op.marks.update(header=arrived, decoded=self._decoded, recv0=recv0, claimed=claimed)
                 ids, plans = self._landing_pages(header, claims)
                 sums = sent = None
                 if header.checksum:
