@@ -655,7 +655,8 @@ class _PairWorker:
             return
         ev = torch.cuda.Event()
         ev.record(self._stream)
-        poll_until(ev.query, deadline, "device copies")
+        # a receive whose sender died or aborted never completes: the header stream's end says so at once
+        poll_until(lambda: ev.query() or self.channel.check_peer("device copies"), deadline, "device copies")
 
     def _layout(self, header: KVHeader) -> _Layout:
         """The chunk plan of a header and one copy plan per chunk (this end's cache views), kept for reuse: a

@@ -36,6 +36,7 @@ published in the store by rank 0 (key "hdr_port").
 from __future__ import annotations
 
 import datetime
+import select
 import socket
 import threading
 import time
@@ -62,6 +63,9 @@ class TransferTimeout(TransferError):
 class PeerGone(TransferError):
     def __init__(self, detail: str = "") -> None:
         super().__init__("peer_gone", detail)
+
+
+_PEER_CHECK_S = 0.005  # how often an NCCL wait looks whether the peer's end of the header stream is gone
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -137,6 +141,7 @@ class PairChannel:
         self._hdr_listen: socket.socket | None = None  # rank 0: where the peer's header connection arrives
         self._hdr: socket.socket | None = None  # the header stream (rank 1 writes, rank 0 reads), made by open()
         self._hdr_lock = threading.Lock()
+        self._next_peer_check = 0.0  # monotonic time of the next `peer_closed` look during an NCCL wait
         # the store (made by open()): rendezvous only. On rank 0 `_ctl` is the server store itself (the key space
         # lives there and it has its own client connection).
         self._ctl: Any = None
@@ -328,7 +333,7 @@ class PairChannel:
             if self.backend == "gloo":
                 work.wait(_td(deadline + grace_s - time.monotonic()))
                 return
-            poll_until(work.is_completed, deadline, what)
+            poll_until(lambda: work.is_completed() or self.check_peer(what), deadline, what)
             work.wait()
         except Exception as exc:
             err = _classify(exc, what)
@@ -349,13 +354,41 @@ class PairChannel:
             self.wait_work(work, deadline, what)
 
     def abort(self) -> None:
-        """Tear the data plane down (a pending NCCL kernel is killed); the channel is unusable afterwards."""
+        """Tear the data plane down (a pending NCCL kernel is killed) and shut the header stream, so the peer
+        learns at once (its header read or its `wait_work` sees the stream end) instead of at its deadline; the
+        channel is unusable afterwards."""
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
                 pg.abort()
             except Exception:
                 pass
+        self.wake()
+
+    def peer_closed(self) -> bool:
+        """Whether the header stream has ended (the peer aborted, closed or died), without reading from it: a
+        non-blocking peek (a header waiting to be read is not an end)."""
+        sock = self._hdr
+        if sock is None:
+            return True
+        try:
+            readable, _, _ = select.select([sock], [], [], 0)
+            return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def check_peer(self, what: str) -> bool:
+        """For NCCL waits: raise PeerGone once the peer's end of the header stream is gone (checked every few
+        ms: an NCCL operation whose peer died or aborted would otherwise wait for its whole deadline)."""
+        now = time.monotonic()
+        if now < self._next_peer_check:
+            return False
+        self._next_peer_check = now + _PEER_CHECK_S
+        if self.peer_closed():
+            raise PeerGone(f"{what}: the peer closed the pair")
+        return False
 
     def close(self) -> None:
         if self.closed:

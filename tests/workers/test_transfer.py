@@ -26,7 +26,7 @@ from workers.configio import load_yaml, preset_path
 from workers.transfer import (_HEADER_VERSION, FaultyChannel, KVHeader, KVReceiver, KVSender, Route, Segment,
                               TransferConfig, TransferState, chunk_nbytes, kv_heads_of_rank, plan_chunks,
                               plan_routes)
-from workers.transport import PairChannel
+from workers.transport import PairChannel, PeerGone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -609,8 +609,10 @@ def test_injected_faults_end_failed_with_reasons_and_the_pair_survives_refusals(
 
 
 def test_peer_gone_before_the_header():
+    """The sender cannot deliver the header: its pair breaks, and breaking shuts the header stream, so the
+    receiver's prepared receive fails at once as pair_broken (not at its receive timeout, 60 s here)."""
     src, dst = _filled_cache(4, seed=8), KVCache.allocate(_tiny(), 4)
-    cfg = TransferConfig(timeout_s=2, receive_timeout_s=0.5)
+    cfg = TransferConfig(timeout_s=2, receive_timeout_s=60)
     sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
     _wire(sender, receiver, plan_routes(2, 1, 1)[0], faults={"x": "peer_gone"})
     try:
@@ -620,9 +622,48 @@ def test_peer_gone_before_the_header():
         s = sender.wait("x", 5)
         assert s.state is TransferState.FAILED and "peer_gone" in s.reason
         r = receiver.wait("x", 5)
-        assert r.state is TransferState.FAILED and "timeout" in r.reason
+        assert r.state is TransferState.FAILED and "pair_broken" in r.reason and "closed by the peer" in r.reason
+        assert receiver.broken_peers()
     finally:
         sender.close(), receiver.close()
+
+
+class _NeverDone:
+    """Stands in for an NCCL work whose peer will never match it (no GPU here)."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_a_peer_that_aborts_ends_the_other_sides_waits_at_once():
+    """`abort` shuts the header stream: the other side's `peer_closed` turns true (an unread header is not an
+    end), and an NCCL-style wait on it raises PeerGone within milliseconds rather than at its deadline."""
+    rx, tx = _pair()
+    threads = [threading.Thread(target=ch.open) for ch in (rx, tx)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        tx.post_header(b"{}")
+        time.sleep(0.05)
+        assert not rx.peer_closed() and not tx.peer_closed()  # a header waiting to be read is not an end
+        rx.abort()  # the receiver breaks the pair (a timeout, a device error)
+        deadline = time.monotonic() + 5
+        while not tx.peer_closed():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tx.backend = "nccl"  # the polling wait of the NCCL branch, on a work that never completes
+        t0 = time.monotonic()
+        with pytest.raises(PeerGone, match="closed the pair"):
+            tx.wait_work(_NeverDone(), time.monotonic() + 20, "status")
+        assert time.monotonic() - t0 < 5
+    finally:
+        tx.backend = "gloo"
+        tx.close(), rx.close()
 
 
 def test_listener_closing_fails_pending_receives():
