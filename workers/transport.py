@@ -372,11 +372,14 @@ class PairChannel:
         if sock is None:
             return True
         try:
-            readable, _, _ = select.select([sock], [], [], 0)
-            return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            poller = select.poll()  # not select(): a Ray worker's descriptors may be past FD_SETSIZE
+            poller.register(sock, select.POLLIN)
+            if not poller.poll(0):
+                return False
+            return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except (BlockingIOError, InterruptedError):
             return False
-        except OSError:
+        except (OSError, ValueError):  # closed under us
             return True
 
     def check_peer(self, what: str) -> bool:
