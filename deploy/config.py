@@ -47,6 +47,16 @@ class TransferConfig:
     # send the KV header before the prefill step that finishes a prompt (the decode side posts its receives
     # while it computes); false (default, measured better on 2 x H200): header and pages go after that step
     announce: bool = False
+    # when no decode replica has room for a prompt's KV pages, the router retries for up to this long before it
+    # answers 503 `kv_capacity` (a burst of long prompts waits for running requests to finish); 0: at once
+    admit_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"transfer.{name}: must be > 0, got {getattr(self, name)}")
+        if self.admit_wait_s < 0:
+            raise ValueError(f"transfer.admit_wait_s: must be >= 0, got {self.admit_wait_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

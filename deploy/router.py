@@ -80,6 +80,7 @@ class Router:
         self._touched: dict[str, list[tuple[ReplicaKey, str]]] = {}  # request id -> (replica, engine id) to abort
         self._faults: dict[str, str] = {}
         self._retry_prefill = config.transfer.retry_prefill
+        self._admit_wait_s = config.transfer.admit_wait_s
         self._watching: set[asyncio.Task] = set()  # prefill streams read on after the decode stream started
         # decode-first requests whose prefill has not answered yet: request id -> (prefill replica, transfer id,
         # its prefill stream); a release before that (the client left) stops the prefill too
@@ -284,7 +285,22 @@ class Router:
         """Reserve the request's pages on the first decode replica with room: (that replica, the group name its
         prefill sends the KV to: the replica's, or with attention DP the admitting dp rank's sub-group).
         `p_rank`: the prefill replica's dp rank that runs it (attention DP), whose shards the decode expects.
-        `first_from_kv`: the decode starts when the KV lands, with the first token from the KV header."""
+        `first_from_kv`: the decode starts when the KV lands, with the first token from the KV header.
+        While every replica is full, it tries again (backing off 10 -> 200 ms) until `transfer.admit_wait_s`."""
+        deadline = time.monotonic() + self._admit_wait_s
+        delay = 0.01
+        while True:
+            admitted = await self._admit_once(req, p, p_rank, first_from_kv)
+            if not (isinstance(admitted, EngineError) and admitted.code == "kv_capacity"):
+                return admitted
+            if time.monotonic() + delay > deadline:
+                return admitted
+            await asyncio.sleep(delay)  # a cancelled client cancels this wait: nothing is reserved yet
+            delay = min(2 * delay, 0.2)
+
+    async def _admit_once(self, req: EngineRequest, p: ReplicaKey, p_rank: int | None,
+                          first_from_kv: bool) -> tuple[ReplicaKey, str] | EngineError:
+        """One pass over the decode replicas, best first (see `_admit`)."""
         full = None
         for d in self._pick_decode_order():
             gen = self._pairs[(p, d)]
@@ -492,14 +508,18 @@ class Router:
         except Exception:  # the replica is gone: its pages went with it
             logger.warning("abort of %s on %s failed", engine_request_id, key)
 
-    async def inject_faults(self, faults: dict[str, str], retry_prefill: bool | None = None) -> None:
-        """Tests and drills: router-side faults by request id (`pause_before_decode`), and the retry switch."""
+    async def inject_faults(self, faults: dict[str, str], retry_prefill: bool | None = None,
+                            admit_wait_s: float | None = None) -> None:
+        """Tests and drills: router-side faults by request id (`pause_before_decode`), the retry switch and the
+        admission wait."""
         bad = {k: v for k, v in faults.items() if v not in FAULT_KINDS}
         if bad:
             raise ValueError(f"faults: unknown kinds {bad}; known {FAULT_KINDS}")
         self._faults = dict(faults)
         if retry_prefill is not None:
             self._retry_prefill = retry_prefill
+        if admit_wait_s is not None:
+            self._admit_wait_s = admit_wait_s
 
     async def pairs(self) -> dict[str, int]:
         """Open KV pairs: 'prefill-i->decode-j' -> generation."""

@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="seconds after which pages held for a transfer that nobody settles are freed")
     pd.add_argument("--retry-prefill", action="store_true", default=None,
                     help="run the prefill once more when its KV transfer fails (instead of a 503)")
+    pd.add_argument("--admit-wait", type=float,
+                    help="seconds a request waits for a decode replica with room for its KV (else 503 at once)")
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +91,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     put("transfer.timeout_s", getattr(args, "transfer_timeout", None))
     put("transfer.lease_s", getattr(args, "transfer_lease", None))
     put("transfer.retry_prefill", getattr(args, "retry_prefill", None))
+    put("transfer.admit_wait_s", getattr(args, "admit_wait", None))
     return out
 
 

@@ -127,18 +127,22 @@ def test_serve_cli_disaggregate_flags():
     import argparse
 
     from deploy.app import config_from_args
+    from deploy.config import ConfigError
     from deploy.serve_cmd import add_arguments, overrides_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--disaggregate", "--prefill-replicas", "2", "--decode-replicas", "3",
                               "--prefill-tp", "2", "--decode-dp", "2", "--transfer-timeout", "7",
-                              "--transfer-lease", "9", "--retry-prefill"])
+                              "--transfer-lease", "9", "--retry-prefill", "--admit-wait", "2.5"])
     cfg = config_from_args({"overrides": overrides_from_args(args)})
     groups = cfg.groups()
     assert cfg.disaggregate and set(groups) == {"prefill", "decode"}
     assert (groups["prefill"].replicas, groups["prefill"].tp, groups["decode"].replicas, groups["decode"].dp) == (2, 2, 3, 2)
-    assert (cfg.transfer.timeout_s, cfg.transfer.lease_s, cfg.transfer.retry_prefill) == (7.0, 9.0, True)
+    assert (cfg.transfer.timeout_s, cfg.transfer.lease_s, cfg.transfer.retry_prefill,
+            cfg.transfer.admit_wait_s) == (7.0, 9.0, True, 2.5)
+    with pytest.raises(ConfigError, match="admit_wait_s"):
+        config_from_args({"overrides": overrides_from_args(parser.parse_args(["--admit-wait", "-1"]))})
     preset = config_from_args({"config_file": "configs/serve/cpu-pd.yaml"})
     assert preset.disaggregate and preset.device == "cpu" and set(preset.groups()) == {"prefill", "decode"}
     assert overrides_from_args(parser.parse_args([])) == {}

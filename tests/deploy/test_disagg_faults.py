@@ -6,6 +6,7 @@ the client disconnects. Each case ends in a clear response, and afterwards both 
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import openai
@@ -149,3 +150,31 @@ def test_decode_replica_without_free_pages(pd, healthy):
         decode.hold_pages.remote(0).result()
     assert_clean(pd)
     assert tokens(run("room-again")) == healthy
+
+
+def test_a_full_decode_replica_admits_once_room_frees_within_the_wait(pd, healthy):
+    """With `transfer.admit_wait_s` the router retries a request that finds no decode replica with room: one
+    that stays without room past the wait gets the 503 `kv_capacity` after waiting; one whose room frees up
+    meanwhile runs to the end with the healthy tokens. Nothing is held on either side afterwards."""
+    decode, router = handle("EngineServer-decode-0"), handle("Router")
+    free = next(r["stats"]["num_pages_free"] for r in pd.engine_stats() if r["role"] == "decode")
+    decode.hold_pages.remote(free - 2).result()  # the 90-token prompt needs 6
+    try:
+        router.inject_faults.remote({}, admit_wait_s=0.4).result()
+        t0 = time.monotonic()
+        events = run("stays-full")
+        assert len(events) == 1 and isinstance(events[0], EngineError) and events[0].code == "kv_capacity"
+        assert time.monotonic() - t0 >= 0.3  # it tried again before answering
+        router.inject_faults.remote({}, admit_wait_s=60.0).result()
+        got: dict = {}
+        waiter = threading.Thread(target=lambda: got.update(events=run("waits-for-room")))
+        waiter.start()
+        time.sleep(0.5)
+        assert waiter.is_alive()  # still waiting for room
+        decode.hold_pages.remote(0).result()
+        waiter.join(60)
+        assert not waiter.is_alive() and tokens(got["events"]) == healthy
+    finally:
+        decode.hold_pages.remote(0).result()
+        router.inject_faults.remote({}, admit_wait_s=0.0).result()
+    assert_clean(pd)
