@@ -13,13 +13,19 @@ never interleave):
      launch per chunk (kernels.page_copy), sends them point-to-point right behind the header and posts the
      receive of the status; all of it from the caller's thread when the pair is idle (no thread hand-off before
      the bytes move). Receiver: reads the header, posts the first receives (their sizes follow from the header),
-     then checks the header against what it prepared, and scatters each chunk into its own page ids (one launch per chunk, queued behind the receive on the copy stream).
+     then checks the header against what it prepared, and scatters each chunk into its own page ids (one launch
+     per chunk, queued behind the receive on the copy stream).
   3. receiver: status (ok / reason, a 512-byte tensor) -> sender over the backend; the sender's pair thread sees
      it and the sender's op is DONE.
+Several requests finished by one prefill step go as one payload (`send_many`: one header listing them, their
+pages back to back, one status each). An *announced* payload (`announce`, TransferConfig.announce) splits step 1
+from step 2: the header goes while the pages are still being written, and after the pages a trailer on the
+header stream carries each request's meta or says the sender withdrew it (the receiver reads it before answering).
 A header that does not match (unknown or aborted request, wrong page count, head range, dims or dtype) is not
 an error of the wire: the receiver drains the payload into scratch memory, so the pair stays in step, and both
 sides end FAILED with the reason. A timeout or a dead peer in the middle of a payload breaks the pair: the
-operation and every later one on that pair end FAILED ("pair_broken"); the wiring layer makes a new pair.
+operation and every later one on that pair end FAILED ("pair_broken"), the other side learns it from the header
+stream's end (transport.PairChannel.abort), and the wiring layer makes a new pair.
 
 States (`TransferState`): PENDING (prepared / queued) -> TRANSFERRING (header sent / received) -> DONE | FAILED.
 Pages may be freed (both sides) once a request is *settled*: every pair operation of it is DONE or FAILED.
