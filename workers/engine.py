@@ -322,7 +322,7 @@ class Engine:
         try:
             result = self.executor.execute(batch)
         except BaseException:
-            self._withdraw_all()  # the pairs wait for what was announced
+            self._send_handoffs()  # withdraws what was announced: its pairs wait for it
             raise
         for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
             self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
@@ -398,23 +398,17 @@ class Engine:
             for rid, tid, _ids in items:
                 self._announced[rid] = (tid, group)
 
-    def _withdraw_all(self) -> None:
-        """The step failed after announcing: withdraw every announced request (its pages stay with it)."""
-        for rid, (tid, group) in self._announced.items():
-            self._to_withdraw[tid] = (group, None)
-        self._announced = {}
-        self._send_handoffs()
-
     def _send_handoffs(self) -> None:
         """Send the KV of the requests this step handed off: one payload per decode group and pair for all of
         them (one transfer's fixed costs instead of one per request, which would queue on the pair). Requests
-        announced and then ended by their first token go as withdrawn in the same call."""
+        announced and then ended by their first token go as withdrawn in the same call, and so does any other
+        announced request not handed off (a step that failed: its pages stay with the request)."""
+        if not (self._to_send or self._to_withdraw or self._announced):
+            return  # the common step (decode, or no prompt finished)
         sending = {rid for rid, _ids, _meta in self._to_send}
-        for rid, (tid, group) in self._announced.items():  # announced, neither retired nor ended (not expected)
+        for rid, (tid, group) in self._announced.items():
             if rid not in sending:
                 self._to_withdraw[tid] = (group, None)
-        if not (self._to_send or self._to_withdraw):
-            return
         by_group: dict[str, tuple[list, list]] = {}
         for rid, page_ids, meta in self._to_send:
             by_group.setdefault(self._handoffs[rid].group, ([], []))[0].append((rid, page_ids, meta))

@@ -83,7 +83,7 @@ class TransferConfig:
     announce: bool = False
     # an announced payload whose pages are not released within this long (a forward that compiles kernels, a
     # huge chunk) goes out as withdrawn (its bytes unused) and its requests go the ordinary way: it bounds how
-    # long the decode GPU holds a waiting receive, well inside the transfer timeout
+    # long the decode GPU holds a waiting receive (capped at half the transfer timeout)
     announce_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -845,7 +845,8 @@ class _SendWorker(_PairWorker):
         """The pair's thread, at an announced payload: wait until its pages are posted. At `announce_wait_s`
         the payload goes out as withdrawn instead (`_expire_announced`); at a stop it is given up and the pair
         broken (the receiver waits on receives that no send will match)."""
-        expire = time.monotonic() + self.end.config.announce_wait_s
+        cfg = self.end.config  # well inside the receiver's deadline, which runs from the header too
+        expire = time.monotonic() + min(cfg.announce_wait_s, 0.5 * cfg.timeout_s)
         while not slot.go.wait(0.02):
             now = time.monotonic()
             if not (self._stopping or now > expire):

@@ -345,3 +345,33 @@ def test_a_request_ended_by_its_first_token_after_its_header_went_ahead_is_withd
     assert decode.abort_request("w")  # the router's part: the prefill answered alone
     drive(prefill, decode, lambda s: not (prefill.has_unfinished() or decode.has_unfinished()))
     assert_empty(prefill, decode)
+
+
+def test_a_step_that_fails_after_announcing_withdraws_and_keeps_the_pair(pair, monkeypatch):
+    """The forward raises (a device error) after the step announced a request: the payload still goes, as
+    withdrawn, so the pair stays in step; the decode side waits again; aborting on both sides leaves nothing."""
+    prefill, decode = pair
+    p = prompts()[4]
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    submit(prefill, decode, "boom", p, sp)
+
+    def broken(batch):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(prefill.executor, "execute", broken)
+    with pytest.raises(RuntimeError, match="device error"):
+        prefill.step()
+    monkeypatch.undo()
+    receiver = decode.agents[0].end
+    deadline = time.monotonic() + 10
+    while receiver.result("boom").state is not TransferState.PENDING or prefill._withdrawn:
+        assert time.monotonic() < deadline, (receiver.result("boom"), prefill._withdrawn)
+        prefill.poll_transfers()
+        time.sleep(0.01)
+    assert prefill.abort_request("boom") and decode.abort_request("boom")
+    drive(prefill, decode, lambda s: not (prefill.has_unfinished() or decode.has_unfinished()))
+    assert_empty(prefill, decode)
+    submit(prefill, decode, "after-boom", p, sp)  # the pair carries the next one
+    st = drive(prefill, decode, lambda s: "after-boom" in s["out"] and "after-boom" in s["outcomes"])
+    assert st["outcomes"]["after-boom"] == (True, None) and len(st["out"]["after-boom"].outputs[0].token_ids) == 3
+    assert_empty(prefill, decode)

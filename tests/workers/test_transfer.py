@@ -94,6 +94,14 @@ def _wire(sender: KVSender, receiver: KVReceiver, route: Route, *, s_name="d0", 
     return rx, tx
 
 
+def _ready_pair(src: KVCache, dst: KVCache, cfg: TransferConfig, *, wrap=None):
+    """(sender, receiver, the sender's channel as added) over one open pair of the default route."""
+    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
+    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=wrap)
+    sender.wait_ready(30), receiver.wait_ready(30)
+    return sender, receiver, tx
+
+
 # ---- pure plans ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("heads,tp", [(4, 1), (4, 2), (4, 4), (4, 8), (2, 8), (1, 2), (8, 4)])
 def test_kv_heads_of_rank_matches_the_model_split(heads, tp):
@@ -349,10 +357,8 @@ class _OldVersionChannel:
 def test_a_header_of_another_version_is_refused_and_the_pair_stays_in_step():
     src, dst = _filled_cache(8, seed=31), KVCache.allocate(_tiny(), 8)
     cfg = TransferConfig(timeout_s=20)
-    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-    _rx, old = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_OldVersionChannel)
+    sender, receiver, old = _ready_pair(src, dst, cfg, wrap=_OldVersionChannel)
     try:
-        sender.wait_ready(30), receiver.wait_ready(30)
         receiver.prepare_receive("v1", [2, 3])
         sender.send("v1", [4, 5])
         s, r = sender.wait("v1", 20), receiver.wait("v1", 20)
@@ -424,10 +430,8 @@ def test_announced_payload_receives_posted_before_the_pages_meta_in_the_trailer_
     written as far as it knows) and a later ordinary send of it lands; the pair stays in step."""
     src, dst = _filled_cache(16, seed=41), KVCache.allocate(_tiny(), 20)
     cfg = TransferConfig(timeout_s=20, max_chunk_bytes=30_000)
-    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
+    sender, receiver, tx = _ready_pair(src, dst, cfg, wrap=_CountingChannel)
     try:
-        sender.wait_ready(30), receiver.wait_ready(30)
         plan = {"a-0": ([3, 1], [10, 4]), "a-1": ([9], [0]), "a-2": ([2, 5, 6], [8, 2, 19])}
         for rid, (_s, d_ids) in plan.items():
             receiver.prepare_receive(rid, d_ids)
@@ -464,10 +468,8 @@ def test_announce_on_a_busy_pair_goes_the_ordinary_way_in_order():
     it after the first. Withdrawing a request whose header never went ahead sends nothing for it."""
     src, dst = _filled_cache(12, seed=42), KVCache.allocate(_tiny(), 12)
     cfg = TransferConfig(timeout_s=20)
-    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
+    sender, receiver, tx = _ready_pair(src, dst, cfg, wrap=_CountingChannel)
     try:
-        sender.wait_ready(30), receiver.wait_ready(30)
         for rid, d_ids in (("x", [1]), ("y", [2, 3]), ("z", [4])):
             receiver.prepare_receive(rid, d_ids)
         sender.announce([("x", [5])])
@@ -493,10 +495,8 @@ def test_announced_pages_late_go_the_ordinary_way_and_the_pair_stays_in_step():
     requests are back to PENDING on both sides; when the pages do come, they go as an ordinary payload."""
     src, dst = _filled_cache(8, seed=43), KVCache.allocate(_tiny(), 8)
     cfg = TransferConfig(timeout_s=20, announce_wait_s=0.3)
-    sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)
-    _rx, tx = _wire(sender, receiver, plan_routes(2, 1, 1)[0], wrap=_CountingChannel)
+    sender, receiver, tx = _ready_pair(src, dst, cfg, wrap=_CountingChannel)
     try:
-        sender.wait_ready(30), receiver.wait_ready(30)
         receiver.prepare_receive("late", [1, 2])
         receiver.prepare_receive("late-2", [5])
         sender.announce([("late", [3, 4]), ("late-2", [6])])
