@@ -92,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--modes", default="plain,announced", help="plain and/or announced (see the docstring)")
     p.add_argument("--forward-ms", type=float, default=3.0, help="announced: the stand-in prefill forward")
+    p.add_argument("--nccl", choices=["direct", "torch"], default="direct",
+                   help="GPU data plane of both ours and the ceiling: our NCCL calls or ProcessGroupNCCL")
     p.add_argument("--out", default=os.environ.get("OUT"), help="directory for bench_kv_transfer.json")
     a = p.parse_args(argv)
     a.tokens = [int(x) for x in (a.tokens or ("64,256,1024" if a.tiny else "1024,8192,32768")).split(",")]
@@ -131,6 +133,12 @@ def pages_digest(kv: KVCache, page_ids: list[int]) -> list[int]:
         w = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
         out.append(int((words * w).sum().item()))
     return out
+
+
+def backend_of(args, device) -> str:
+    if device.type != "cuda":
+        return "gloo"
+    return "nccl" if args.nccl == "direct" else "torch-nccl"
 
 
 def sync(device) -> None:
@@ -201,14 +209,14 @@ def sender_main(conn, addresses, argv) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cfg, dtype = model_config(args.tiny)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_of(args, device)
     plan = schedule(args, cfg, dtype)
     pool = 2 * max(p["pages"] for p in plan) + 8
     kv = random_cache(cfg, pool, dtype, device, seed=1)
     wire_timeout = 2 * args.timeout  # a channel outlives any one transfer (NCCL watchdog)
     ceil_ch = PairChannel.connect(addresses["ceiling"], backend=backend, device=device, timeout_s=wire_timeout)
     ceil_ch.open()
-    sender = KVSender(kv, config=TransferConfig(timeout_s=args.timeout))
+    sender = KVSender(kv, config=TransferConfig(timeout_s=args.timeout, nccl=args.nccl))
     route = plan_routes(cfg.num_key_value_heads, 1, 1)[0]
     sender.add_peer("d0", PairChannel.connect(addresses["kv"], backend=backend, device=device,
                                               timeout_s=wire_timeout), route)
@@ -255,7 +263,7 @@ def main(argv=None) -> int:
             return 2
         torch.cuda.set_device(device)
     cfg, dtype = model_config(args.tiny)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_of(args, device)
     plan = schedule(args, cfg, dtype)
     pool = 2 * max(p["pages"] for p in plan) + 8
     kv = random_cache(cfg, pool, dtype, device, seed=3)  # overwritten by the transfers; random so stale != new
@@ -265,7 +273,8 @@ def main(argv=None) -> int:
     proc = mp.get_context("spawn").Process(
         target=sender_main, args=(child, {"ceiling": ceil_ch.address, "kv": kv_ch.address}, argv), daemon=True)
     proc.start()
-    receiver = KVReceiver(kv, config=TransferConfig(timeout_s=args.timeout, receive_timeout_s=2 * args.timeout))
+    receiver = KVReceiver(kv, config=TransferConfig(timeout_s=args.timeout, receive_timeout_s=2 * args.timeout,
+                                                    nccl=args.nccl))
     receiver.add_peer("p0", kv_ch, plan_routes(cfg.num_key_value_heads, 1, 1)[0])
     ceil_ch.open()
     receiver.wait_ready(args.timeout)

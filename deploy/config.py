@@ -50,8 +50,13 @@ class TransferConfig:
     # when no decode replica has room for a prompt's KV pages, the router retries for up to this long before it
     # answers 503 `kv_capacity` (a burst of long prompts waits for running requests to finish); 0: at once
     admit_wait_s: float = 0.0
+    # GPU data plane: "direct" (our own NCCL calls, the default) or "torch" (ProcessGroupNCCL: ~0.14 ms more
+    # host time per message on each side)
+    nccl: Literal["direct", "torch"] = "direct"
 
     def __post_init__(self) -> None:
+        if self.nccl not in ("direct", "torch"):
+            raise ValueError(f"transfer.nccl: must be 'direct' or 'torch', got {self.nccl!r}")
         for name in ("timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"transfer.{name}: must be > 0, got {getattr(self, name)}")

@@ -82,7 +82,7 @@ def engine_transfer_config(config: ServeConfig):
 
     t = config.transfer
     # a prepared receive waits for prefill queueing + compute: the lease bounds that too
-    return EngineTransferConfig(timeout_s=t.timeout_s, lease_s=t.lease_s, announce=t.announce,
+    return EngineTransferConfig(timeout_s=t.timeout_s, lease_s=t.lease_s, announce=t.announce, nccl=t.nccl,
                                 receive_timeout_s=max(t.lease_s, t.timeout_s),
                                 connect_timeout_s=max(30.0, t.timeout_s))
 

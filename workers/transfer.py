@@ -85,6 +85,9 @@ class TransferConfig:
     # huge chunk) goes out as withdrawn (its bytes unused) and its requests go the ordinary way: it bounds how
     # long the decode GPU holds a waiting receive (capped at half the transfer timeout)
     announce_wait_s: float = 5.0
+    # the GPU data plane: "direct" (our own ncclSend/ncclRecv calls, workers/nccl.py) or "torch"
+    # (ProcessGroupNCCL, ~0.14 ms of host time per post on each side; docs/benchmarks.md, KV transfer, session 5)
+    nccl: str = "direct"
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s", "lease_s",
@@ -95,6 +98,8 @@ class TransferConfig:
             raise ValueError("max_chunk_bytes: must be >= 1")
         if self.max_inflight_chunks < 1:
             raise ValueError("max_inflight_chunks: must be >= 1")
+        if self.nccl not in ("direct", "torch"):
+            raise ValueError(f"nccl: must be 'direct' or 'torch', got {self.nccl!r}")
 
 
 class TransferState(enum.Enum):
@@ -391,7 +396,7 @@ class _Endpoint:
 
     # --- peers ---
     def _check_channel(self, channel: PairChannel) -> None:
-        if getattr(channel, "backend", "gloo") == "nccl" and channel.timeout_s <= self.config.timeout_s:
+        if getattr(channel, "backend", "gloo") == "torch-nccl" and channel.timeout_s <= self.config.timeout_s:
             raise ValueError(f"channel: timeout_s {channel.timeout_s} must exceed the transfer timeout "
                              f"{self.config.timeout_s} (NCCL's watchdog would fire before this end gives up)")
 
@@ -1497,7 +1502,7 @@ class TransferAgent:
         cls = KVSender if role == "prefill" else KVReceiver
         self.end: KVSender | KVReceiver = cls(kv, kv_head_start=first, config=config)
         device = kv.k[0].device
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.backend = ("nccl" if config.nccl == "direct" else "torch-nccl") if device.type == "cuda" else "gloo"
         self.device = device
         self.faults: dict[str, str] = {}  # transfer id -> FaultyChannel kind, on this side's channels (tests)
         self._groups: dict[str, list[str]] = {}

@@ -2,9 +2,11 @@
 
 A `PairChannel` is three connections between the two sides: a TCPStore (rendezvous only), a header stream (a plain
 TCP connection, TCP_NODELAY: one small length-prefixed message per transfer, sender -> receiver) and a standalone
-torch.distributed backend of two ranks built from the store (point-to-point send/recv: the payload, and the
-receiver's status back; NCCL on GPU, gloo on CPU). The backend is constructed directly
-(`ProcessGroupGloo(store, rank, 2, ...)`, `ProcessGroupNCCL(store, rank, 2, timeout)`) instead of through
+2-rank backend built from the store (point-to-point send/recv: the payload, and the receiver's status back). On
+GPU that is an NCCL communicator of its own (workers/nccl.py: `ncclSend`/`ncclRecv` on the posting thread's
+stream; its id goes through the store), because ProcessGroupNCCL's host cost per post (~0.14 ms on the H200
+host) sat on the transfer's critical path on both sides; "torch-nccl" keeps ProcessGroupNCCL. On CPU it is
+`ProcessGroupGloo(store, rank, 2, ...)`. The torch backends are constructed directly instead of through
 `init_process_group`/`new_group`, because the default group is process-global: a shard must be able to hold
 several pair channels next to its TP group.
 
@@ -44,6 +46,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+BACKENDS = ("gloo", "nccl", "torch-nccl")
+
+
+class StreamWork:
+    """The completion of an op posted on a CUDA stream (the nccl backend): an event recorded right after it."""
+
+    __slots__ = ("event", "buf")
+
+    def __init__(self, stream: torch.cuda.Stream, buf: torch.Tensor) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+        self.buf = buf
+
+    def is_completed(self) -> bool:
+        return self.event.query()
+
+    def wait(self) -> bool:
+        """Order what the current stream runs next after the op (the CPU does not wait)."""
+        torch.cuda.current_stream(self.buf.device).wait_event(self.event)
+        return True
 
 
 class TransferError(RuntimeError):
@@ -93,6 +117,11 @@ def _classify(exc: BaseException, what: str) -> TransferError:
     return PeerGone(f"{what}: {text.splitlines()[0][:300]}")
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
 def _bound_socket(host: str) -> socket.socket:
     """A listening TCP socket on a port of `host` that the OS picks."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -119,7 +148,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class PairChannel:
     """One side of a 2-party channel. Rank 0 listens (hosts the store), rank 1 connects.
 
-    backend: "gloo" (CPU tensors) or "nccl" (CUDA tensors of `device`). Data-plane calls of one channel must be
+    backend: "gloo" (CPU tensors), "nccl" (CUDA tensors of `device`; our own calls into libnccl, workers/nccl.py,
+    ops on the posting thread's current stream) or "torch-nccl" (the same through torch's ProcessGroupNCCL, which
+    costs ~0.14 ms of host time per post). Data-plane calls of one channel must be
     posted in one order on each side (workers/transfer.py serialises them per pair), which keeps send/recv order
     identical on both sides; their works may be waited on from another thread. `tag` arguments name the request
     a message belongs to; the real channel ignores them (the fault-injecting fake in workers/transfer.py keys its
@@ -128,8 +159,7 @@ class PairChannel:
 
     def __init__(self, *, rank: int, host: str, port: int, backend: str, device: torch.device | str,
                  timeout_s: float, local_host: str, listen_socket: socket.socket | None = None) -> None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
+        _check_backend(backend)
         self.rank = rank
         self.peer_rank = 1 - rank
         self.host, self.port = host, port
@@ -145,7 +175,8 @@ class PairChannel:
         # the store (made by open()): rendezvous only. On rank 0 `_ctl` is the server store itself (the key space
         # lives there and it has its own client connection).
         self._ctl: Any = None
-        self._pg: Any = None
+        self._pg: Any = None  # the torch backend (gloo, torch-nccl) or our NcclComm (nccl)
+        self._wire: Any = None  # nccl: the CUDA stream the ops run on
         self._open_lock = threading.Lock()
         self.closed = False
 
@@ -155,6 +186,7 @@ class PairChannel:
                timeout_s: float = 60.0) -> PairChannel:
         """Listen on a free port of `host` (chosen by the OS); the peer connects to `.address`. Returns at once:
         the pair's store is built on this socket by `open()`."""
+        _check_backend(backend)  # before any socket is bound
         sock, hdr = _bound_socket(host), _bound_socket(host)
         ch = cls(rank=0, host=host, port=sock.getsockname()[1], backend=backend, device=device,
                  timeout_s=timeout_s, local_host=host, listen_socket=sock)
@@ -238,11 +270,27 @@ class PairChannel:
                     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.local_host)]
                     opts._timeout = _td(self.timeout_s)
                     self._pg = dist.ProcessGroupGloo(store, self.rank, 2, opts)
+                elif self.backend == "nccl":
+                    self._pg = self._direct_comm(store)
+                    self._warm_up()
                 else:
                     self._pg = dist.ProcessGroupNCCL(store, self.rank, 2, _td(self.timeout_s))
                     self._warm_up()
             except Exception as exc:
                 raise _classify(exc, f"opening the {self.backend} pair") from exc
+
+    def _direct_comm(self, store: Any) -> Any:
+        """Rank 0 makes the communicator id and publishes it in the pair's store; both then join (blocks until
+        both did, bounded by NCCL's own bootstrap timeout)."""
+        from workers import nccl
+
+        if self.rank == 0:
+            store.set("nccl_uid", nccl.unique_id())
+        else:
+            store.set_timeout(_td(self.timeout_s))
+        uid = store.get("nccl_uid")
+        self._wire = torch.cuda.Stream(self.device)
+        return nccl.NcclComm.init(bytes(uid), self.rank, 2, self.device)
 
     def _warm_up(self) -> None:
         """NCCL: one byte each way now. The communicator and each direction's connection are made lazily by the
@@ -252,8 +300,7 @@ class PairChannel:
         buf = torch.zeros(1, dtype=torch.uint8, device=self.device)
         deadline = time.monotonic() + self.timeout_s
         for sender in (1, 0):
-            work = self._pg.send([buf], self.peer_rank, 0) if self.rank == sender else \
-                self._pg.recv([buf], self.peer_rank, 0)
+            work = self.send(buf) if self.rank == sender else self.recv(buf)
             self.wait_work(work, deadline, "pair warm-up")
         torch.cuda.synchronize(self.device)
 
@@ -308,16 +355,35 @@ class PairChannel:
 
     # ---- data plane (backend) -----------------------------------------------------------------------------
     def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
+        """Post sending `buf` to the peer; returns its work (see `wait_work`). nccl: on the current stream."""
         try:
+            if self.backend == "nccl":
+                return self._post_direct(self._pg.send, buf)
             return self._pg.send([buf], self.peer_rank, 0)
         except Exception as exc:
             raise _classify(exc, "send") from exc
 
     def recv(self, buf: torch.Tensor, *, tag: str = "") -> Any:
+        """Post receiving into `buf` from the peer; returns its work. nccl: on the current stream."""
         try:
+            if self.backend == "nccl":
+                return self._post_direct(self._pg.recv, buf)
             return self._pg.recv([buf], self.peer_rank, 0)
         except Exception as exc:
             raise _classify(exc, "recv") from exc
+
+    def _post_direct(self, fn, buf: torch.Tensor) -> StreamWork:
+        """The op on the channel's own stream, after what the current stream queued so far (the gather that
+        filled `buf`), as ProcessGroupNCCL does: a payload's next gather or the previous chunk's scatter then
+        overlaps this op's wire time. `buf` is recorded on that stream, so the allocator keeps its memory until
+        the op ran even if the caller drops it first."""
+        comm, wire = self._pg, self._wire
+        if comm is None:
+            raise PeerGone("channel aborted")
+        wire.wait_stream(torch.cuda.current_stream(self.device))
+        fn(buf, self.peer_rank, wire)
+        buf.record_stream(wire)
+        return StreamWork(wire, buf)
 
     def wait_work(self, work: Any, deadline: float, what: str, *, grace_s: float = 0.0) -> None:
         """Wait for one send/recv until the monotonic `deadline`.
@@ -333,6 +399,7 @@ class PairChannel:
             if self.backend == "gloo":
                 work.wait(_td(deadline + grace_s - time.monotonic()))
                 return
+            # NCCL: an op whose peer died or aborted never completes; the header stream's end says so
             poll_until(lambda: work.is_completed() or self.check_peer(what), deadline, what)
             work.wait()
         except Exception as exc:
@@ -345,7 +412,7 @@ class PairChannel:
         """Make what the current thread queues next run after `work`. NCCL: stream ordering only, the CPU does
         not wait (so the scatter kernels are launched while the bytes are still in flight; the caller enforces
         the deadline on the stream afterwards). gloo: the CPU waits, as in `wait_work`."""
-        if self.backend == "nccl":
+        if self.backend != "gloo":
             try:
                 work.wait()
             except Exception as exc:
@@ -360,7 +427,7 @@ class PairChannel:
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
-                pg.abort()
+                pg.abort()  # nccl: ncclCommAbort (pending kernels exit); torch backends: their abort
             except Exception:
                 pass
         self.wake()
@@ -391,6 +458,11 @@ class PairChannel:
         self._next_peer_check = now + _PEER_CHECK_S
         if self.peer_closed():
             raise PeerGone(f"{what}: the peer closed the pair")
+        comm = self._pg
+        if self.backend == "nccl" and comm is not None:
+            err = comm.async_error()  # NCCL's own view: a lost connection, a remote error
+            if err is not None:
+                raise PeerGone(f"{what}: {err}")
         return False
 
     def close(self) -> None:
@@ -398,9 +470,9 @@ class PairChannel:
             return
         self.closed = True
         pg, self._pg = self._pg, None
-        if pg is not None and self.backend == "nccl":
-            try:
-                pg.shutdown()
+        if pg is not None and self.backend != "gloo":
+            try:  # nccl: abort, never a graceful destroy (that waits for ops a gone peer never completes)
+                pg.abort() if self.backend == "nccl" else pg.shutdown()
             except Exception:
                 pass
         self._ctl = None
@@ -411,4 +483,4 @@ class PairChannel:
                 sock.close()
 
 
-__all__ = ["PairChannel", "TransferError", "TransferTimeout", "PeerGone", "poll_until"]
+__all__ = ["BACKENDS", "PairChannel", "StreamWork", "TransferError", "TransferTimeout", "PeerGone", "poll_until"]

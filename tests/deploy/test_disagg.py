@@ -146,6 +146,15 @@ def test_serve_cli_disaggregate_flags():
     preset = config_from_args({"config_file": "configs/serve/cpu-pd.yaml"})
     assert preset.disaggregate and preset.device == "cpu" and set(preset.groups()) == {"prefill", "decode"}
     assert overrides_from_args(parser.parse_args([])) == {}
+    # the GPU data plane: our own NCCL calls unless told "torch" (ProcessGroupNCCL); it reaches the engines
+    from deploy.server import engine_transfer_config
+
+    gpu = config_from_args({"config_file": "configs/serve/gpu-2-pd.yaml"})
+    assert gpu.transfer.nccl == "direct" and engine_transfer_config(gpu).nccl == "direct"
+    torch_pg = config_from_args({"overrides": {"transfer": {"nccl": "torch"}}})
+    assert engine_transfer_config(torch_pg).nccl == "torch"
+    with pytest.raises(ConfigError, match="transfer.nccl: must be one of"):
+        config_from_args({"overrides": {"transfer": {"nccl": "mpi"}}})
 
 
 def test_serve_cli_prefill_dp():

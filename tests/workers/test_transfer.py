@@ -184,6 +184,10 @@ def test_config_refuses_bad_values():
         TransferConfig(timeout_s=0)
     with pytest.raises(ValueError, match="max_chunk_bytes"):
         TransferConfig(max_chunk_bytes=0)
+    with pytest.raises(ValueError, match="nccl: must be 'direct' or 'torch'"):
+        TransferConfig(nccl="mpi")
+    with pytest.raises(ValueError, match="backend: must be one of gloo, nccl, torch-nccl"):
+        PairChannel.listen(backend="mpi")
 
 
 # ---- real transfers over gloo, both sides in this process ----------------------------------------------------
