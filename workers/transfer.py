@@ -788,6 +788,7 @@ class _SendWorker(_PairWorker):
         self._lock = threading.Lock()
         self._active = 0  # items submitted and not finished: posting inline is only allowed when 0
         self._announced: _Slot | None = None  # the announced payload whose pages are not all released yet
+        self._pinned_ids: torch.Tensor | None = None  # CUDA: the gathers' page ids (see _page_ids_for_gather)
 
     def stop(self) -> None:
         super().stop()
@@ -979,8 +980,7 @@ class _SendWorker(_PairWorker):
         ops = flight.ops  # the deadline still runs from the header (as the receiver's does)
         try:
             with self._on_stream():
-                # after the header (it needs only the count), ordered before the gathers on this stream
-                flight.page_ids = flight.page_ids.to(self.end.device, non_blocking=True)
+                flight.page_ids = self._page_ids_for_gather(flight.page_ids)
                 _mark(ops, "uploaded")
                 ready = next((op.ready_event for op in ops if op.ready_event is not None), None)
                 if ready is not None:  # the pages were written on the caller's stream
@@ -995,6 +995,21 @@ class _SendWorker(_PairWorker):
         for op in ops:
             op.marks["posted"] = posted
         return flight
+
+    def _page_ids_for_gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The payload's page ids where the gather kernel reads them. CUDA: copied into this pair's pinned host
+        buffer, which the kernel reads over the bus (an upload cost ~0.09 ms of host time on the H200 host, on
+        the critical path; docs/benchmarks.md, KV transfer, session 5). Reusing the buffer is safe: a pair
+        moves one payload at a time, and the next starts only after the receiver's status, which follows every
+        receive of this one (so every gather that read the ids has run)."""
+        if self.end.device.type != "cuda":
+            return ids
+        n = ids.numel()
+        if self._pinned_ids is None or self._pinned_ids.numel() < n:
+            self._pinned_ids = torch.empty(max(n, 1024), dtype=torch.int64).pin_memory()
+        out = self._pinned_ids[:n]
+        out.copy_(ids)
+        return out
 
     def _gather(self, flight: _Flight, i: int) -> torch.Tensor:
         """Chunk i of the payload in one new staging buffer (uint8 [nbytes]): one copy launch on CUDA."""

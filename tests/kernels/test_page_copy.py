@@ -183,3 +183,34 @@ def test_gpu_one_launch_equals_reference_at_m3_slice_shapes():
         assert all(torch.equal(d[kept], s[kept].contiguous()) for d, s in zip(dst, views))
         assert all(not d[ids[::3]].any() for d in dst)
         assert pc.triton_failure is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_reused_plan_launches_directly_with_device_or_pinned_host_ids():
+    """After its first (JIT) launch a plan launches the compiled kernel itself; page ids may sit in pinned host
+    memory (the transfer sender's). Every launch, for new ids and both directions, equals the reference; a
+    buffer of other alignment goes back through the JIT (its specialisation differs)."""
+    import kernels.page_copy as pc
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    views = [torch.randn(48, 128, 4, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    plan = PageCopyPlan(views, 20)
+    assert plan.fused, pc.triton_failure
+    raw = torch.empty(plan.nbytes + 8, dtype=torch.uint8, device="cuda")
+    for rep in range(4):
+        ids = torch.randperm(48, generator=gen, device="cuda")[:20]
+        src = ids.cpu().pin_memory() if rep % 2 else ids
+        got = torch.full((plan.nbytes,), 7, dtype=torch.uint8, device="cuda")
+        plan.gather(src, got)
+        want = torch.empty_like(got)
+        gather_pages_into_ref(views, ids, want)
+        assert torch.equal(got, want), rep
+        assert True in plan._compiled  # compiled once, launched directly from the second call on
+        dst = [torch.zeros_like(v) for v in views]
+        PageCopyPlan(dst, 20).scatter(src, got)
+        assert all(torch.equal(d[ids], v[ids]) for d, v in zip(dst, views)), rep
+    odd = raw[8:8 + plan.nbytes]  # 8-byte aligned, not 16: another specialisation, through the JIT
+    plan.gather(ids, odd)
+    assert torch.equal(odd, want)
+    assert pc.triton_failure is None
