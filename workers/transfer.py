@@ -10,7 +10,8 @@ never interleave):
      header stream (workers/transport.py; the receiving pair thread is already blocked reading it)
   2. sender: gathers the pages of all layers and both families into a few contiguous staging buffers, each at
      most `max_chunk_bytes` (one large message moves ~15x faster than 1 MiB ones on NCCL, PERF.md), with ONE copy
-     launch per chunk (kernels.page_copy), sends them point-to-point right behind the header and posts the
+     launch per chunk (kernels.page_copy; on CUDA it reads the page ids from the pair's pinned host buffer),
+     sends them point-to-point right behind the header (on GPU our own NCCL calls, workers/nccl.py) and posts the
      receive of the status; all of it from the caller's thread when the pair is idle (no thread hand-off before
      the bytes move). Receiver: reads the header, posts the first receives (their sizes follow from the header),
      then checks the header against what it prepared, and scatters each chunk into its own page ids (one launch
@@ -293,7 +294,8 @@ class _Op:
 
     request_id: str
     peer: str
-    page_ids: torch.Tensor  # [n] int64 on the cache's device (a sender's: on the host until its header left)
+    page_ids: torch.Tensor  # [n] int64 on the cache's device (a sender's: on the host; CUDA gathers read them
+    # from the pair's pinned buffer)
     created: float
     state: TransferState = TransferState.PENDING
     reason: str | None = None
@@ -668,6 +670,7 @@ class _PairWorker:
         ev.record(self._stream)
         # a receive whose sender died or aborted never completes: the header stream's end says so at once
         poll_until(lambda: ev.query() or self.channel.check_peer("device copies"), deadline, "device copies")
+        self.channel.check_aborted("device copies")  # our own abort also ends the copies (not with the bytes)
 
     def _layout(self, header: KVHeader) -> _Layout:
         """The chunk plan of a header and one copy plan per chunk (this end's cache views), kept for reuse: a

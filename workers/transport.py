@@ -401,6 +401,7 @@ class PairChannel:
                 return
             # NCCL: an op whose peer died or aborted never completes; the header stream's end says so
             poll_until(lambda: work.is_completed() or self.check_peer(what), deadline, what)
+            self.check_aborted(what)
             work.wait()
         except Exception as exc:
             err = _classify(exc, what)
@@ -431,6 +432,12 @@ class PairChannel:
             except Exception:
                 pass
         self.wake()
+
+    def check_aborted(self, what: str) -> None:
+        """Raise PeerGone if this side aborted the channel: an aborted NCCL op's kernel exits, so its completion
+        event fires and the op would read as done with its bytes not (all) there."""
+        if self._pg is None:
+            raise PeerGone(f"{what}: the pair was aborted")
 
     def peer_closed(self) -> bool:
         """Whether the header stream has ended (the peer aborted, closed or died), without reading from it: a

@@ -665,8 +665,14 @@ def test_a_peer_that_aborts_ends_the_other_sides_waits_at_once():
         with pytest.raises(PeerGone, match="closed the pair"):
             tx.wait_work(_NeverDone(), time.monotonic() + 20, "status")
         assert time.monotonic() - t0 < 5
+        # an op of a channel this side aborted completes (NCCL kills its kernel) but must not read as done
+        done = _NeverDone()
+        done.is_completed = lambda: True
+        rx.backend = "nccl"
+        with pytest.raises(PeerGone, match="aborted"):
+            rx.wait_work(done, time.monotonic() + 20, "recv")
     finally:
-        tx.backend = "gloo"
+        tx.backend = rx.backend = "gloo"
         tx.close(), rx.close()
 
 
