@@ -3,8 +3,8 @@
 A `PairChannel` is three connections between the two sides: a TCPStore (rendezvous only), a header stream (a plain
 TCP connection, TCP_NODELAY: one small length-prefixed message per transfer, sender -> receiver) and a standalone
 2-rank backend built from the store (point-to-point send/recv: the payload, and the receiver's status back). On
-GPU that is an NCCL communicator of its own (workers/nccl.py: `ncclSend`/`ncclRecv` on the posting thread's
-stream; its id goes through the store), because ProcessGroupNCCL's host cost per post (~0.14 ms on the H200
+GPU that is an NCCL communicator of its own (workers/nccl.py: `ncclSend`/`ncclRecv` on the channel's stream,
+after what the posting thread's stream queued; its id goes through the store), because ProcessGroupNCCL's host cost per post (~0.14 ms on the H200
 host) sat on the transfer's critical path on both sides; "torch-nccl" keeps ProcessGroupNCCL. On CPU it is
 `ProcessGroupGloo(store, rank, 2, ...)`. The torch backends are constructed directly instead of through
 `init_process_group`/`new_group`, because the default group is process-global: a shard must be able to hold
@@ -149,7 +149,7 @@ class PairChannel:
     """One side of a 2-party channel. Rank 0 listens (hosts the store), rank 1 connects.
 
     backend: "gloo" (CPU tensors), "nccl" (CUDA tensors of `device`; our own calls into libnccl, workers/nccl.py,
-    ops on the posting thread's current stream) or "torch-nccl" (the same through torch's ProcessGroupNCCL, which
+    ops on the channel's stream after the posting thread's current one) or "torch-nccl" (the same through torch's ProcessGroupNCCL, which
     costs ~0.14 ms of host time per post). Data-plane calls of one channel must be
     posted in one order on each side (workers/transfer.py serialises them per pair), which keeps send/recv order
     identical on both sides; their works may be waited on from another thread. `tag` arguments name the request
@@ -281,7 +281,7 @@ class PairChannel:
 
     def _direct_comm(self, store: Any) -> Any:
         """Rank 0 makes the communicator id and publishes it in the pair's store; both then join (blocks until
-        both did, bounded by NCCL's own bootstrap timeout)."""
+        both did; no deadline of ours inside NCCL's bootstrap, see docs/disaggregation.md, What remains)."""
         from workers import nccl
 
         if self.rank == 0:
@@ -355,7 +355,7 @@ class PairChannel:
 
     # ---- data plane (backend) -----------------------------------------------------------------------------
     def send(self, buf: torch.Tensor, *, tag: str = "") -> Any:
-        """Post sending `buf` to the peer; returns its work (see `wait_work`). nccl: on the current stream."""
+        """Post sending `buf` to the peer, after what the current stream queued; returns its work (`wait_work`)."""
         try:
             if self.backend == "nccl":
                 return self._post_direct(self._pg.send, buf)
@@ -364,7 +364,7 @@ class PairChannel:
             raise _classify(exc, "send") from exc
 
     def recv(self, buf: torch.Tensor, *, tag: str = "") -> Any:
-        """Post receiving into `buf` from the peer; returns its work. nccl: on the current stream."""
+        """Post receiving into `buf` from the peer, after what the current stream queued; returns its work."""
         try:
             if self.backend == "nccl":
                 return self._post_direct(self._pg.recv, buf)
