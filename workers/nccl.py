@@ -1,10 +1,12 @@
 """A minimal binding to libnccl (ctypes): one 2-rank communicator, send/recv on a given stream, abort.
 
-Why not torch's ProcessGroupNCCL for the KV transfer's data plane: measured on 2 x H200 (docs/benchmarks.md, KV
-transfer, session 5), posting one `ProcessGroupNCCL.send` or `.recv` costs 136-140 us of host time (its work
-object, events, stream hand-offs, watchdog and flight-recorder bookkeeping), and a transfer has one post on each
-side on its critical path, about a third of the whole wire time of an 8k-token prompt. `ncclSend` itself posts in
-a few microseconds. The library is the one torch already loaded (same NCCL, same version); only the calls are ours.
+Why not torch's ProcessGroupNCCL for the KV transfer's data plane (docs/benchmarks.md, KV transfer, session 5):
+on the 2 x H200 host a one-off probe timed one `ProcessGroupNCCL.send` or `.recv` post at 136-140 us of host
+time, and a transfer has one post on each side on its critical path (an 8k-token prompt's wire time is ~0.45 ms).
+In bench_kv_transfer.py's timelines, gather launched -> send posted took 0.11 ms through ProcessGroupNCCL and 0.06
+ms through this binding (header decoded -> receive posted: 0.14 and 0.11 ms), and the 8k transfer went from 54-58%
+to 61-77% of the NCCL ceiling. The library is the one torch already loaded (same NCCL, same version); only the
+calls are ours.
 
 What the caller gets: `NcclComm.send(buf, stream)` / `recv(buf, stream)` enqueue on `stream` (no internal stream,
 no cross-stream events: the caller's copy kernels on the same stream are ordered with it for free), and the caller
