@@ -6,9 +6,9 @@ TCP connection, TCP_NODELAY: one small length-prefixed message per transfer, sen
 GPU that is an NCCL communicator of its own (workers/nccl.py: `ncclSend`/`ncclRecv` on the channel's stream,
 after what the posting thread's stream queued; its id goes through the store), because ProcessGroupNCCL's host
 cost per post (~0.14 ms on the H200 host) sat on the transfer's critical path on both sides; "torch-nccl" keeps
-ProcessGroupNCCL. On CPU it is `ProcessGroupGloo(store, rank, 2, ...)`. The torch backends are constructed directly instead of through
-`init_process_group`/`new_group`, because the default group is process-global: a shard must be able to hold
-several pair channels next to its TP group.
+ProcessGroupNCCL. On CPU it is `ProcessGroupGloo(store, rank, 2, ...)`. The torch backends are constructed
+directly instead of through `init_process_group`/`new_group`, because the default group is process-global: a
+shard must be able to hold several pair channels next to its TP group.
 
 Why the header does not go through the backend: the decode shard cannot know when a prefill will finish (queue +
 compute: seconds to minutes), so a header receive posted on the backend would wait that long. On NCCL that is a
