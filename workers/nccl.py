@@ -25,8 +25,6 @@ import torch
 _UNIQUE_ID_BYTES = 128
 _NCCL_UINT8 = 1  # ncclDataType_t
 _SUCCESS, _IN_PROGRESS = 0, 7  # ncclResult_t
-_RESULTS = {1: "unhandled cuda error", 2: "system error", 3: "internal error", 4: "invalid argument",
-            5: "invalid usage", 6: "remote error", 7: "in progress"}
 
 
 class NcclError(RuntimeError):
@@ -78,7 +76,6 @@ def _lib() -> ctypes.CDLL:
                 "ncclRecv": [vp, sz, i, i, vp, vp],
                 "ncclCommAbort": [vp],
                 "ncclCommGetAsyncError": [vp, ctypes.POINTER(i)],
-                "ncclGetVersion": [ctypes.POINTER(i)],
             }.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = args, i
@@ -89,17 +86,7 @@ def _lib() -> ctypes.CDLL:
 
 def _check(result: int, what: str) -> None:
     if result not in (_SUCCESS, _IN_PROGRESS):
-        try:
-            text = _lib().ncclGetErrorString(result).decode()
-        except Exception:
-            text = _RESULTS.get(result, "?")
-        raise NcclError(f"{what}: NCCL error {result} ({text})")
-
-
-def version() -> int:
-    v = ctypes.c_int()
-    _check(_lib().ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")
-    return v.value
+        raise NcclError(f"{what}: NCCL error {result} ({_lib().ncclGetErrorString(result).decode()})")
 
 
 def unique_id() -> bytes:
@@ -128,10 +115,6 @@ class NcclComm:
         with torch.cuda.device(device):  # NCCL binds the communicator to the current device
             _check(_lib().ncclCommInitRank(ctypes.byref(comm), nranks, u, rank), "ncclCommInitRank")
         return cls(comm.value, device)
-
-    @property
-    def alive(self) -> bool:
-        return self._handle.value is not None
 
     def _post(self, fn, buf: torch.Tensor, peer: int, stream: torch.cuda.Stream, what: str) -> None:
         if buf.device != self.device or not buf.is_contiguous():
@@ -169,4 +152,4 @@ class NcclComm:
             _lib().ncclCommAbort(handle)
 
 
-__all__ = ["NcclComm", "NcclError", "unique_id", "version"]
+__all__ = ["NcclComm", "NcclError", "unique_id"]
