@@ -1,4 +1,5 @@
-"""Helpers shared by the torch references: gather one request's context from the paged cache."""
+"""Helpers shared by the launchers and the torch references: a step's prompt-row layout, gathering one request's
+context from the paged cache."""
 from __future__ import annotations
 
 import torch
@@ -18,3 +19,16 @@ def gather_context(cache: torch.Tensor, page_table_row: torch.Tensor, num_tokens
     n_pages = -(-num_tokens // ps)
     pages = page_table_row[:n_pages].to(torch.long)
     return cache.index_select(0, pages).reshape(n_pages * ps, *cache.shape[2:])[:num_tokens]
+
+
+def prefill_layout(row_seq: torch.Tensor, num_prefill_rows: int) -> tuple[torch.Tensor, int, int]:
+    """(query_start_loc [R + 1] int32 on row_seq's device, R, longest request's rows) of the prompt rows
+    [0, num_prefill_rows), derived on the host (one sync: for direct callers and tests; the model passes its
+    metadata's). The rows must be grouped by request, requests 0 .. R - 1 in order (the metadata's contract)."""
+    seq = row_seq[:num_prefill_rows].tolist()
+    starts = [0] + [i for i in range(1, len(seq)) if seq[i] != seq[i - 1]]
+    if [seq[i] for i in starts] != list(range(len(starts))):
+        raise ValueError("prefill rows must be grouped by request, requests 0 .. R-1 in order")
+    qsl = starts + [len(seq)]
+    max_len = max(b - a for a, b in zip(qsl, qsl[1:]))
+    return torch.tensor(qsl, dtype=torch.int32, device=row_seq.device), len(starts), max_len

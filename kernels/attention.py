@@ -1,5 +1,8 @@
 """Paged attention over any rows (prefill chunks and decode rows alike): dense causal and MSA block-sparse.
 
+The launchers route a step's rows: prompt rows to kernels/prefill_attention.py, decode rows (the batch suffix) to
+the decode kernel here; `paged_attention_ref` is the torch reference of both (tests only).
+
 Each row is one query token at absolute position p of request `row_seq[row]`; it sees that request's keys
 j <= p (token-level causal mask), read from the paged caches through `page_tables`. For sparse layers it sees
 only keys in the blocks that its KV group selected (`block_ids` [N, Hkv, topk], ascending, -1 padded).
@@ -20,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import gather_context, request_rows
+from kernels._paged import gather_context, prefill_layout, request_rows
 from kernels._triton import arrival_counters, next_pow2, num_sms, runnable, use_triton
+from kernels.prefill_attention import prefill_attention
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -291,7 +295,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
-           num_splits):
+           num_splits, prefill):
     if not 0 <= num_prefill_rows <= q.shape[0]:
         raise ValueError(f"attention: num_prefill_rows {num_prefill_rows} outside [0, {q.shape[0]}]")
     if not use_triton(q.device, backend):
@@ -299,29 +303,35 @@ def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_id
     npf = num_prefill_rows
     out = torch.empty_like(q)
     if npf:
-        out[:npf] = paged_attention_ref(q[:npf], k_cache, v_cache, page_tables, row_seq[:npf], positions[:npf],
-                                        scale, None if block_ids is None else block_ids[:npf])
+        qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)
+        prefill_attention(q[:npf], k_cache, v_cache, page_tables, qsl, positions[:npf], scale,
+                          None if block_ids is None else block_ids[:npf], num_requests=num_requests,
+                          max_len=max_len, out=out[:npf])
     paged_decode_attention(q[npf:], k_cache, v_cache, page_tables, row_seq[npf:], positions[npf:], scale,
                            None if block_ids is None else block_ids[npf:], out=out[npf:], num_splits=num_splits)
     return out
 
 
 def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale, *, num_prefill_rows=0,
-                    backend: str | None = None, num_splits: int | None = None):
+                    backend: str | None = None, num_splits: int | None = None,
+                    prefill: tuple[torch.Tensor, int, int] | None = None):
     """Public launcher, dense causal -> [N, Hq, D] in q's dtype.
 
-    Rows [0, num_prefill_rows) are prefill-chunk tokens and take the reference path (a prefill kernel is future
-    work); rows [num_prefill_rows, N) are decode rows (the batch suffix) and take the Triton decode kernel when
-    `backend` resolves to Triton (None: on CUDA tensors). The decode span is a view: nothing is copied.
+    With `backend` resolving to Triton (None: on CUDA tensors; "triton" forces it, on CPU through the
+    interpreter), rows [0, num_prefill_rows) (prompt chunks) take the prefill kernel (kernels/prefill_attention.py)
+    and rows [num_prefill_rows, N) (decode rows, the batch suffix) the decode kernel; both spans are views, nothing
+    is copied. `prefill` = (query_start_loc [R + 1] int32 device, R, longest chunk) of the prompt rows, as the
+    model's metadata holds it; None derives it from row_seq (one host sync). "ref": the torch reference for all.
     """
     _check(q, k_cache, v_cache, row_seq, positions, None)
     return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, None, num_prefill_rows, backend,
-                  num_splits)
+                  num_splits, prefill)
 
 
 def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block_ids, scale, *,
-                     num_prefill_rows=0, backend: str | None = None, num_splits: int | None = None):
+                     num_prefill_rows=0, backend: str | None = None, num_splits: int | None = None,
+                     prefill: tuple[torch.Tensor, int, int] | None = None):
     """Public launcher, MSA block-sparse over block_ids [N, Hkv, topk] (ascending, -1 tail); spans as above."""
     _check(q, k_cache, v_cache, row_seq, positions, block_ids)
     return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
-                  num_splits)
+                  num_splits, prefill)

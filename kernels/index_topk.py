@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import gather_context, request_rows
+from kernels._paged import gather_context, prefill_layout, request_rows
 from kernels._triton import arrival_counters, next_pow2, num_sms, runnable, use_triton
+from kernels.prefill_index import prefill_index_topk
 
 
 def index_topk_ref(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -305,11 +306,12 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
 def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor, row_seq: torch.Tensor,
                positions: torch.Tensor, topk: int, local_blocks: int, *, num_prefill_rows: int = 0,
                backend: str | None = None, num_kv_splits: int | None = None,
-               fused: bool | None = None) -> torch.Tensor:
-    """Public launcher -> int32 [N, Hi, topk]. Rows [0, num_prefill_rows) (prefill chunks) take the reference
-    path; rows [num_prefill_rows, N) (decode rows, the batch suffix) take the Triton decode kernels when
-    `backend` resolves to Triton (None: on CUDA tensors; "triton" forces it, on CPU through the interpreter).
-    The decode span is a view of the inputs and of the output: nothing is copied."""
+               fused: bool | None = None, prefill: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
+    """Public launcher -> int32 [N, Hi, topk]. When `backend` resolves to Triton (None: on CUDA tensors;
+    "triton" forces it, on CPU through the interpreter), rows [0, num_prefill_rows) (prompt chunks) take the
+    prefill indexer (kernels/prefill_index.py) and rows [num_prefill_rows, N) (decode rows, the batch suffix) the
+    decode kernels here. Both spans are views of the inputs and of the output: nothing is copied. `prefill` as in
+    kernels.attention.dense_attention (None: derived from row_seq, one host sync)."""
     _check(q_idx, index_k_cache, page_tables, row_seq, positions, topk, num_prefill_rows)
     if not use_triton(q_idx.device, backend):
         return index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
@@ -317,8 +319,9 @@ def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: to
     npf = num_prefill_rows
     out = torch.empty((n, hi, topk), dtype=torch.int32, device=q_idx.device)
     if npf:
-        out[:npf] = index_topk_ref(q_idx[:npf], index_k_cache, page_tables, row_seq[:npf], positions[:npf], topk,
-                                   local_blocks)
+        qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)
+        prefill_index_topk(q_idx[:npf], index_k_cache, page_tables, qsl, positions[:npf], topk, local_blocks,
+                           num_requests=num_requests, max_len=max_len, out=out[:npf])
     index_topk_decode(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:], positions[npf:], topk, local_blocks,
                       out=out[npf:], num_kv_splits=num_kv_splits, fused=fused)
     return out

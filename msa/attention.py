@@ -33,6 +33,9 @@ class M3Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = Indexer(config, ctx, dtype=dtype, device=device) if config.is_sparse(layer_idx) else None
         self.scale = d ** -0.5
+        # None: the Triton kernels on CUDA, the torch references elsewhere; "triton" / "ref" force one (the
+        # engine's `attention_backend`; tests force Triton on CPU through the interpreter)
+        self.backend: str | None = None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
@@ -48,11 +51,13 @@ class M3Attention(nn.Module):
         write_kv(k, v, idx_k, meta.slot_mapping, k_cache, v_cache, idx_cache)
         if self.indexer is None:
             out = dense_attention(q, k_cache, v_cache, meta.page_tables, meta.row_seq, meta.positions, self.scale,
-                                  num_prefill_rows=meta.num_prefill_tokens)
+                                  num_prefill_rows=meta.num_prefill_tokens, backend=self.backend,
+                                  prefill=meta.prefill)
         else:
-            block_ids = self.indexer.select(q_idx, idx_cache, meta)
+            block_ids = self.indexer.select(q_idx, idx_cache, meta, backend=self.backend)
             out = sparse_attention(q, k_cache, v_cache, meta.page_tables, meta.row_seq, meta.positions, block_ids,
-                                   self.scale, num_prefill_rows=meta.num_prefill_tokens)
+                                   self.scale, num_prefill_rows=meta.num_prefill_tokens, backend=self.backend,
+                                   prefill=meta.prefill)
         return self.o_proj(out.flatten(1))
 
 

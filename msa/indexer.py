@@ -36,11 +36,13 @@ class Indexer(nn.Module):
         k = self.k_norm(self.k_proj(h))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def select(self, q_idx: torch.Tensor, index_k_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def select(self, q_idx: torch.Tensor, index_k_cache: torch.Tensor, meta: AttentionMetadata, *,
+               backend: str | None = None) -> torch.Tensor:
         """Block top-k over the paged index-K cache (this step's index-K must be written already).
         -> int32 [T, Hi_local, topk]: ascending logical block ids, -1 tail padding."""
         return index_topk(q_idx, index_k_cache, meta.page_tables, meta.row_seq, meta.positions, self.topk,
-                          self.local_blocks, num_prefill_rows=meta.num_prefill_tokens)
+                          self.local_blocks, num_prefill_rows=meta.num_prefill_tokens, backend=backend,
+                          prefill=meta.prefill)
 
 
 __all__ = ["Indexer"]

@@ -37,6 +37,8 @@ class AttentionMetadata:
     query_start_loc [R+1] int32: token offsets of each request's chunk.
     context_lens [R] int32: tokens in the cache after this step (start + num_tokens).
     num_prefill_tokens: rows [0, num_prefill_tokens) are prefill-chunk tokens; the rest are decode rows.
+    num_prefill_requests: requests [0, num_prefill_requests) own those rows (prefill chunks come first).
+    max_prefill_len: the longest prefill chunk's token count (host int: the prefill kernels' grids).
     logits_indices [N] int64: rows whose logits are wanted (last token per chunk, all tokens with all_logits).
     """
 
@@ -50,6 +52,8 @@ class AttentionMetadata:
     logits_indices: torch.Tensor
     page_size: int
     max_context_len: int
+    num_prefill_requests: int = 0
+    max_prefill_len: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +67,11 @@ class AttentionMetadata:
     def num_decode_tokens(self) -> int:
         return self.num_tokens - self.num_prefill_tokens
 
+    @property
+    def prefill(self) -> tuple[torch.Tensor, int, int]:
+        """(query_start_loc, num_prefill_requests, max_prefill_len): the prompt-row layout the kernels take."""
+        return self.query_start_loc, self.num_prefill_requests, self.max_prefill_len
+
 
 def build_metadata(chunks: list[ChunkSpec], page_size: int, device="cpu") -> AttentionMetadata:
     """Flatten the step's chunks into `AttentionMetadata` (built on the host, then moved to `device` once)."""
@@ -73,6 +82,7 @@ def build_metadata(chunks: list[ChunkSpec], page_size: int, device="cpu") -> Att
     ctx_lens: list[int] = []
     logits_idx: list[int] = []
     num_prefill = 0
+    prefill_lens: list[int] = []
     seen_decode = False
     for r, c in enumerate(chunks):
         _check_chunk(r, c, page_size, seen_decode)
@@ -84,6 +94,7 @@ def build_metadata(chunks: list[ChunkSpec], page_size: int, device="cpu") -> Att
             row_seq.append(r)
         if not c.is_decode:
             num_prefill += c.num_tokens
+            prefill_lens.append(c.num_tokens)
         first = base if c.all_logits else base + c.num_tokens - 1
         logits_idx.extend(range(first, base + c.num_tokens))
         qsl.append(base + c.num_tokens)
@@ -105,6 +116,8 @@ def build_metadata(chunks: list[ChunkSpec], page_size: int, device="cpu") -> Att
         logits_indices=t(logits_idx, torch.int64),
         page_size=page_size,
         max_context_len=max(ctx_lens, default=0),
+        num_prefill_requests=len(prefill_lens),
+        max_prefill_len=max(prefill_lens, default=0),
     )
 
 

@@ -89,6 +89,14 @@ class M3ForCausalLM(nn.Module):
         """hidden [N, H] -> fp32 logits [N, vocab] (gathered over tp)."""
         return self.lm_head(hidden).float()
 
+    def set_attention_backend(self, backend: str | None) -> None:
+        """Attention and indexer kernels of every layer: None = Triton on CUDA, the torch references elsewhere;
+        "triton" / "ref" force one."""
+        if backend not in (None, "triton", "ref"):
+            raise ValueError(f"attention backend must be None, 'triton' or 'ref', got {backend!r}")
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
     def load_weights(self, model_dir: str | Path) -> None:
         from msa.weights import load_weights
 
