@@ -28,7 +28,7 @@ import triton.language as tl
 from kernels._triton import next_pow2, runnable
 
 _LOG2E = 1.4426950408889634
-_BIG = 1 << 30  # "no block": sorts after every real block id
+_BIG = tl.constexpr(1 << 30)  # "no block": sorts after every real block id (a constexpr: jit code reads it)
 
 
 @triton.jit

@@ -21,7 +21,9 @@ import triton.language as tl
 
 from kernels._triton import next_pow2, num_sms, runnable
 
-_BIG = 1 << 30  # ids of empty list slots: BIG + slot (unique, so a replacement hits exactly one slot)
+# ids of empty list slots are BIG + slot (unique, so a replacement hits exactly one slot); a constexpr: jit code
+# reads it
+_BIG = tl.constexpr(1 << 30)
 
 
 @triton.jit

@@ -92,7 +92,7 @@ def test_attention_gpu(paged_case, batch, length, rows_per_request):
     want = attention.paged_attention_ref(*args, D ** -0.5)
     assert _rel(attention.dense_attention(*args, D ** -0.5), want) < 1e-2
     assert _rel(attention.paged_decode_attention(*args, D ** -0.5, fold_merge=True, num_splits=7), want) < 1e-2
-    # mixed batch: the first row goes through the reference path, the rest through the kernel
+    # mixed batch: the first row goes through the prefill kernel (a one-token chunk), the rest the decode kernel
     assert _rel(attention.dense_attention(*args, D ** -0.5, num_prefill_rows=1), want) < 1e-2
 
 

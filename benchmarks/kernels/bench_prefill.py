@@ -1,0 +1,356 @@
+"""Prefill kernels on one GPU at M3 shapes: the indexer, sparse and dense prefill attention, and the routed MoE
+at prefill sizes.
+
+Shapes (PERF.md): 64 query heads over 4 KV heads, head_dim 128, 4 index heads of 128, page = block = 128, top-16,
+bf16. A case is one request of T new tokens after ctx - T cached ones (shuffled page table, random caches, never
+zeros). Method (PERF.md's prefill method, the one the peer's numbers were taken by): eager calls on the same
+inputs, CUDA events around each call, median of --reps after a warm-up call; the torch references check the
+kernels in the same run (phase `check`).
+
+Phases (--phases, comma separated):
+  check  kernels vs references at T = 2,048, ctx = 8,192 (selections equal, attention rel. error < 1e-2)
+  sweep  launch options of the three kernels at a few cases (--sweep-cases); the best per case is printed
+  table  every case of --cases with the defaults (PREFILL_LAUNCH / PREFILL_INDEX_LAUNCH) and, where the sweep
+         ran, its best; torch SDPA (flash, contiguous, causal, GQA) for T = ctx; FLOP floors at 790 TFLOP/s;
+         the peer's numbers from PERF.md where it has them
+  moe    the routed experts of one m3-slice MoE layer (128 experts of 6144 x 3072, top-4) at T tokens: the
+         fused kernel with its default and swept tiles, and torch._grouped_mm (CUTLASS) where torch has it
+  PYTHONPATH=$PWD python3 benchmarks/kernels/bench_prefill.py --out $OUT
+Writes bench_prefill.json to --out after every phase; prints the tables last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: kernels/
+
+HQ, HKV, D, HI, DI, PS, TOPK = 64, 4, 128, 4, 128, 128, 16
+PEAK = 790e12  # bf16 dense matmul, measured (PERF.md)
+HBM = 4.3e12
+# PERF.md, same GPU, same method: (index, sparse attention, SDPA dense) ms
+PEER = {(2048, 2048): (0.147, 0.701, 0.190), (2048, 8192): (0.190, 1.324, None),
+        (8192, 8192): (0.235, 4.196, 1.836), (2048, 32768): (0.381, 1.315, None)}
+CASES = "2048:2048,2048:8192,8192:8192,2048:32768,8192:32768,2048:131072,8192:131072"
+
+SPARSE_SWEEP = [dict(tokens=t, block_n=n, num_warps=w, num_stages=s) for t in (1, 2, 4, 8)
+                for n, w, s in ((64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 3), (128, 8, 3))]
+DENSE_SWEEP = [dict(tokens=t, heads=h, block_n=n, num_warps=w, num_stages=s)
+               for t, h in ((8, 16), (4, 16), (16, 8), (128, 1), (64, 1))
+               for n, w, s in ((64, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 3), (128, 4, 2))]
+INDEX_SWEEP = ([dict(rows=r, num_warps=w, num_stages=s) for r in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+               + [dict(splits=s) for s in (1, 2, 4, 8)])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--phases", default="check,sweep,table,moe")
+    p.add_argument("--cases", default=CASES, help="T:ctx,...")
+    p.add_argument("--sweep-cases", default="8192:8192,2048:32768")
+    p.add_argument("--moe-tokens", default="2048,8192")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--budget-s", type=float, default=400.0, help="skip sweep points past this much wall time")
+    p.add_argument("--out", default=os.environ.get("OUT"))
+    a = p.parse_args(argv)
+    a.cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",") if c]
+    a.sweep_cases = [tuple(int(x) for x in c.split(":")) for c in a.sweep_cases.split(",") if c]
+    a.moe_tokens = [int(t) for t in a.moe_tokens.split(",") if t]
+    a.phases = a.phases.split(",")
+    return a
+
+
+def event_ms(fn, reps: int) -> float:
+    """Median ms of one eager call (CUDA events around each), after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def make_case(t: int, ctx: int, seed: int = 0) -> dict:
+    """One request: ctx - t cached tokens, t new (the step's rows), its pages shuffled in a pool with spares."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-ctx // PS)
+    pool = pages + 8
+    table = torch.randperm(pool, device="cuda", generator=g)[:pages].to(torch.int32).view(1, pages)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+
+    return {"t": t, "ctx": ctx, "table": table,
+            "k": rnd(pool, PS, HKV, D), "v": rnd(pool, PS, HKV, D), "ik": rnd(pool, PS, DI),
+            "q": rnd(t, HQ, D), "qi": rnd(t, HI, DI),
+            "pos": torch.arange(ctx - t, ctx, device="cuda"),
+            "qsl": torch.tensor([0, t], dtype=torch.int32, device="cuda"),
+            "row_seq": torch.zeros(t, dtype=torch.int32, device="cuda")}
+
+
+def run_index(c, launch=None):
+    from kernels.prefill_index import prefill_index_topk
+
+    return prefill_index_topk(c["qi"], c["ik"], c["table"], c["qsl"], c["pos"], TOPK, 1, num_requests=1,
+                              max_len=c["t"], launch=launch)
+
+
+def run_attn(c, sel, launch=None):
+    from kernels.prefill_attention import prefill_attention
+
+    return prefill_attention(c["q"], c["k"], c["v"], c["table"], c["qsl"], c["pos"], D ** -0.5, sel,
+                             num_requests=1, max_len=c["t"], launch=launch)
+
+
+def run_sdpa(c):
+    """torch SDPA (flash) on contiguous q/k/v of the same data: causal, GQA (t == ctx only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    k = c["k"][c["table"][0].long()].reshape(-1, HKV, D)[:c["ctx"]].transpose(0, 1)[None]
+    v = c["v"][c["table"][0].long()].reshape(-1, HKV, D)[:c["ctx"]].transpose(0, 1)[None]
+    q = c["q"].transpose(0, 1)[None].contiguous()
+    k, v = k.contiguous(), v.contiguous()
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return call
+
+
+def floors(t: int, ctx: int) -> dict:
+    prefix = ctx - t
+    return {"sparse_floor": 4 * t * HQ * D * min(ctx, 2048) / PEAK * 1e3,
+            "dense_floor": 4 * t * HQ * D * (prefix + t / 2) / PEAK * 1e3,
+            "index_floor": 2 * t * HI * DI * (prefix + t / 2) / PEAK * 1e3}
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ---- phases ----------------------------------------------------------------------------------------------------
+
+def check_phase(args) -> dict:
+    from kernels.attention import paged_attention_ref
+    from kernels.index_topk import index_topk_ref
+
+    c = make_case(2048, 8192, seed=1)
+    want = index_topk_ref(c["qi"], c["ik"], c["table"], c["row_seq"], c["pos"], TOPK, 1)
+    got = run_index(c)
+    mismatch = int((got != want).any(-1).sum())
+    out = {"index_rows_differing": mismatch, "rows": 2048 * HI}
+    sparse_want = paged_attention_ref(c["q"], c["k"], c["v"], c["table"], c["row_seq"], c["pos"], D ** -0.5, want)
+    out["sparse_rel"] = rel(run_attn(c, want), sparse_want)
+    del sparse_want
+    dense_want = paged_attention_ref(c["q"], c["k"], c["v"], c["table"], c["row_seq"], c["pos"], D ** -0.5)
+    out["dense_rel"] = rel(run_attn(c, None), dense_want)
+    out["ok"] = mismatch == 0 and out["sparse_rel"] < 1e-2 and out["dense_rel"] < 1e-2
+    print("check", json.dumps(out), flush=True)
+    return out
+
+
+def _best(times: dict) -> tuple[str, float] | None:
+    ok = {k: v for k, v in times.items() if isinstance(v, float)}
+    return min(ok.items(), key=lambda kv: kv[1]) if ok else None
+
+
+def sweep_phase(args, deadline: float) -> list[dict]:
+    rows = []
+    for t, ctx in args.sweep_cases:
+        c = make_case(t, ctx, seed=2)
+        sel = run_index(c)
+        res = {"T": t, "ctx": ctx, "index": {}, "sparse": {}, "dense": {}}
+        for kind, configs, fn in (("index", INDEX_SWEEP, lambda l: run_index(c, l)),
+                                  ("sparse", SPARSE_SWEEP, lambda l: run_attn(c, sel, l)),
+                                  ("dense", DENSE_SWEEP, lambda l: run_attn(c, None, l))):
+            for launch in configs:
+                if time.monotonic() > deadline:
+                    res["cut_short"] = True
+                    break
+                try:
+                    res[kind][json.dumps(launch)] = event_ms(lambda: fn(launch), max(5, args.reps // 2))
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
+                    res[kind][json.dumps(launch)] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+            best = _best(res[kind])
+            res[f"best_{kind}"] = best
+            print(f"sweep T={t} ctx={ctx} {kind}: best {best}", flush=True)
+        rows.append(res)
+        del c, sel
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table_phase(args, sweep: list[dict]) -> list[dict]:
+    best = {(s["T"], s["ctx"]): s for s in sweep}
+    rows = []
+    for t, ctx in args.cases:
+        try:
+            c = make_case(t, ctx, seed=3)
+            sel = run_index(c)
+            row = {"T": t, "ctx": ctx, **floors(t, ctx)}
+            row["index"] = event_ms(lambda: run_index(c), args.reps)
+            row["sparse"] = event_ms(lambda: run_attn(c, sel), args.reps)
+            row["dense"] = event_ms(lambda: run_attn(c, None), args.reps)
+            if t == ctx:
+                row["sdpa"] = event_ms(run_sdpa(c), args.reps)
+            s = best.get((t, ctx))
+            for kind in ("index", "sparse", "dense") if s else ():
+                if s.get(f"best_{kind}"):
+                    row[f"{kind}_best"] = s[f"best_{kind}"]
+            peer = PEER.get((t, ctx))
+            if peer:
+                row["peer_index"], row["peer_sparse"], row["peer_sdpa"] = peer
+            print("table", json.dumps(row), flush=True)
+            rows.append(row)
+            del c, sel
+            torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - one case failing (memory) must not lose the others
+            traceback.print_exc()
+            rows.append({"T": t, "ctx": ctx, "error": traceback.format_exc(limit=1)})
+    return rows
+
+
+MOE_TILES = [(64, (64, 64, 4, 3), (128, 64, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 8, 3)),
+             (128, (128, 64, 8, 3), (128, 64, 8, 3)), (128, (128, 64, 8, 4), (128, 64, 8, 4)),
+             (128, (256, 64, 8, 3), (256, 64, 8, 3)), (64, (128, 128, 8, 3), (128, 128, 8, 3)),
+             (128, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (128, 32, 4, 4), (128, 32, 4, 4))]
+
+
+def moe_phase(args, deadline: float) -> list[dict]:
+    from kernels import fused_moe as fm
+
+    h, inter, e, k = 6144, 3072, 128, 4
+    g = torch.Generator(device="cuda").manual_seed(4)
+    w_gu = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w_dn = (torch.randn(e, h, inter, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    rows = []
+    for t in args.moe_tokens:
+        x = torch.randn(t, h, device="cuda", generator=g).to(torch.bfloat16)
+        logits = torch.randn(t, e, device="cuda", generator=g)
+        wts, ids = torch.topk(torch.sigmoid(logits), k, dim=-1)
+        ids = ids.to(torch.int32)
+        flop = t * k * 2 * h * 3 * inter
+        wbytes = (w_gu.numel() + w_dn.numel()) * 2
+        row = {"T": t, "flop_floor": flop / PEAK * 1e3, "byte_floor": wbytes / HBM * 1e3}
+        default = fm.default_config(t * k, e, h, inter)
+        row["fused_default"] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0),
+                                        args.reps)
+        row["default_config"] = repr(default)
+        for bm, gu, dn in MOE_TILES:
+            if time.monotonic() > deadline:
+                row["cut_short"] = True
+                break
+            cfg = fm.MoEConfig(block_m=bm, gate_up=fm.GemmTile(block_n=gu[0], block_k=gu[1], num_warps=gu[2],
+                                                               num_stages=gu[3]),
+                               down=fm.GemmTile(block_n=dn[0], block_k=dn[1], num_warps=dn[2], num_stages=dn[3]))
+            key = f"bm{bm} gu{gu} dn{dn}"
+            try:
+                row[key] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0,
+                                                         config=cfg), args.reps)
+            except Exception as exc:  # noqa: BLE001
+                row[key] = f"failed: {type(exc).__name__}"
+        if hasattr(torch, "_grouped_mm"):
+            try:
+                row["grouped_mm"] = event_ms(_grouped_mm_moe(x, ids, wts, w_gu, w_dn, e), args.reps)
+            except Exception as exc:  # noqa: BLE001
+                row["grouped_mm"] = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+        print("moe", json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def _grouped_mm_moe(x, ids, wts, w_gu, w_dn, e):
+    """The same MoE through torch._grouped_mm (gather by expert, two grouped GEMMs, SwiGLU-OAI, weighted
+    scatter): a measure of what a CUTLASS grouped GEMM reaches here, not a production path."""
+    from kernels.fused_moe import swiglu_oai_ref
+
+    k = ids.shape[1]
+    w_gu_t, w_dn_t = w_gu.transpose(1, 2), w_dn.transpose(1, 2)
+
+    def call():
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=e), 0).to(torch.int32)
+        xs = x[order // k]
+        gu = torch._grouped_mm(xs, w_gu_t, offs=offs)
+        act = swiglu_oai_ref(gu, 1.702, 7.0).to(x.dtype)
+        y = torch._grouped_mm(act, w_dn_t, offs=offs)
+        y = y * wts.reshape(-1)[order, None].to(y.dtype)
+        out = torch.zeros_like(x)
+        return out.index_add_(0, order // k, y)
+
+    return call
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+
+def save(args, result) -> None:
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_prefill.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def _f(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else ("-" if x is None else str(x))
+
+
+def print_tables(result) -> None:
+    print("\nprefill kernels, ms (eager, CUDA events, median); floors at 790 TFLOP/s")
+    print("| T | ctx | peer index | ours index | peer sparse | ours sparse | sdpa dense | ours dense | "
+          "sparse floor | dense floor | index floor |")
+    for r in result.get("table", []):
+        if "error" in r:
+            print(f"| {r['T']} | {r['ctx']} | error |")
+            continue
+        print(f"| {r['T']} | {r['ctx']} | {_f(r.get('peer_index'))} | {_f(r['index'])} | {_f(r.get('peer_sparse'))} "
+              f"| {_f(r['sparse'])} | {_f(r.get('sdpa'))} | {_f(r['dense'])} | {_f(r['sparse_floor'])} "
+              f"| {_f(r['dense_floor'])} | {_f(r['index_floor'])} |")
+    for s in result.get("sweep", []):
+        print(f"sweep T={s['T']} ctx={s['ctx']}: " + "; ".join(f"{k} {s.get('best_' + k)}"
+                                                              for k in ("index", "sparse", "dense")))
+    for m in result.get("moe", []):
+        best = _best({k: v for k, v in m.items() if k.startswith("bm")})
+        print(f"moe T={m['T']}: fused default {_f(m['fused_default'])} ms, best {best}, grouped_mm "
+              f"{_f(m.get('grouped_mm'))}, floors flop {_f(m['flop_floor'])} bytes {_f(m['byte_floor'])}")
+    if "check" in result:
+        print("check", result["check"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.monotonic()
+    result = {"args": {k: str(v) for k, v in vars(args).items()}, "device": torch.cuda.get_device_name()}
+    phases = [("check", lambda: check_phase(args)),
+              ("sweep", lambda: sweep_phase(args, start + args.budget_s)),
+              ("table", lambda: table_phase(args, result.get("sweep", []))),
+              ("moe", lambda: moe_phase(args, start + args.budget_s + 60))]
+    for name, fn in phases:
+        if name not in args.phases:
+            continue
+        t0 = time.monotonic()
+        try:
+            result[name] = fn()
+        except Exception:  # noqa: BLE001 - keep the other phases' results
+            traceback.print_exc()
+            result[name] = {"error": traceback.format_exc(limit=2)}
+        print(f"phase {name}: {time.monotonic() - t0:.1f} s", flush=True)
+        save(args, result)
+    print_tables(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
