@@ -124,13 +124,29 @@ def _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E: tl.constexpr
 
 
 @triton.jit
+def _tile_of_program(num_m, num_n, GROUP_M: tl.constexpr):
+    # GROUP_M 0: grid (m blocks, n tiles), m fastest (decode: every program streams its own expert's weights).
+    # GROUP_M > 0: a 1-d grid walking groups of GROUP_M row blocks, m fastest inside a group, then the group's
+    # next column tile: the group's rows stay in L2 across all its column tiles (prefill: otherwise every column
+    # tile re-reads every row block from HBM, 24x the activations at m3-slice shapes) and neighbouring blocks of
+    # one expert share each weight tile.
+    if GROUP_M == 0:
+        return tl.program_id(0), tl.program_id(1)
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    local = pid % per_group
+    return first_m + local % size, local // size
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
-                    H, I, x_st_t, w_st_e, w_st_n, act_st, alpha, limit,
+                    H, I, x_st_t, w_st_e, w_st_n, act_st, alpha, limit, num_m, num_n,
                     TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile_of_program(num_m, num_n, GROUP_M)
     e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
     if e >= E:
         return
@@ -169,12 +185,11 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, counts_ptr, row_start_ptr
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
-                 H, I, act_st, w_st_e, w_st_n, y_st,
+                 H, I, act_st, w_st_e, w_st_n, y_st, num_m, num_n,
                  E: tl.constexpr, E_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile_of_program(num_m, num_n, GROUP_M)
     e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
     if e >= E:
         return
@@ -220,12 +235,15 @@ def _combine_kernel(y_ptr, ids_ptr, out_ptr, H, expert_start, y_st, out_st,
 
 @dataclass(frozen=True, kw_only=True)
 class GemmTile:
-    """One grouped GEMM's tile: BLOCK_N output columns, BLOCK_K reduction step, warps, pipeline stages."""
+    """One grouped GEMM's tile: BLOCK_N output columns, BLOCK_K reduction step, warps, pipeline stages, and the
+    program order (group_m: 0 = row blocks fastest over a 2-d grid; > 0 = groups of that many row blocks, see
+    `_tile_of_program`)."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,7 +275,11 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) ->
 def _fit(tile: GemmTile, n: int, k: int) -> GemmTile:
     # small test shapes: no tile wider than the (power-of-two rounded) dimension, never under 16 (tl.dot)
     return GemmTile(block_n=max(16, min(tile.block_n, next_pow2(n))), block_k=max(16, min(tile.block_k, next_pow2(k))),
-                    num_warps=tile.num_warps, num_stages=tile.num_stages)
+                    num_warps=tile.num_warps, num_stages=tile.num_stages, group_m=tile.group_m)
+
+
+def _grid(num_m: int, num_n: int, tile: GemmTile) -> tuple[int, ...]:
+    return (num_m, num_n) if tile.group_m == 0 else (num_m * num_n,)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -319,12 +341,13 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, align: Alignment, t
     if act is None:
         act = _empty((n, inter), x.dtype, x.device)
     tile = _fit(tile, inter, h)
-    grid = (max_blocks(n, e, align.block_m), triton.cdiv(inter, tile.block_n))
-    runnable(_gate_up_kernel, x.device)[grid](
+    num_m, num_n = max_blocks(n, e, align.block_m), triton.cdiv(inter, tile.block_n)
+    runnable(_gate_up_kernel, x.device)[_grid(num_m, num_n, tile)](
         x, w_gate_up, act, align.sorted_pairs, align.counts, align.row_start, align.block_end,
         h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), float(alpha), float(limit),
+        num_m, num_n,
         TOP_K=top_k, E=e, E_PAD=next_pow2(e), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype),
+        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype), GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act
 
@@ -337,12 +360,12 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Ten
     if y is None:
         y = _empty((n, h), torch.float32, act.device)
     tile = _fit(tile, h, inter)
-    grid = (max_blocks(n, e, align.block_m), triton.cdiv(h, tile.block_n))
-    runnable(_down_kernel, act.device)[grid](
+    num_m, num_n = max_blocks(n, e, align.block_m), triton.cdiv(h, tile.block_n)
+    runnable(_down_kernel, act.device)[_grid(num_m, num_n, tile)](
         act, w_down, y, topk_weights, align.sorted_pairs, align.counts, align.row_start, align.block_end,
-        h, inter, act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0),
+        h, inter, act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), num_m, num_n,
         E=e, E_PAD=next_pow2(e), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype),
+        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype), GROUP_M=tile.group_m,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 

@@ -34,7 +34,7 @@ def _insert(vals, ids, s, b):
     wid = tl.max(tl.where(vals == worst[:, None], ids, -1), axis=1)
     take = (s > worst) & (s > float("-inf"))
     slot = (ids == wid[:, None]) & take[:, None]
-    return tl.where(slot, s[:, None], vals), tl.where(slot, b, ids)
+    return tl.where(slot, s[:, None], vals), tl.where(slot, b.to(tl.int32), ids)
 
 
 @triton.jit

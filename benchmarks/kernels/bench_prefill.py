@@ -223,10 +223,9 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
     return rows
 
 
-MOE_TILES = [(64, (64, 64, 4, 3), (128, 64, 8, 3)), (64, (128, 64, 8, 3), (128, 64, 8, 3)),
-             (128, (128, 64, 8, 3), (128, 64, 8, 3)), (128, (128, 64, 8, 4), (128, 64, 8, 4)),
-             (128, (256, 64, 8, 3), (256, 64, 8, 3)), (64, (128, 128, 8, 3), (128, 128, 8, 3)),
-             (128, (64, 128, 4, 3), (64, 128, 4, 3)), (128, (128, 32, 4, 4), (128, 32, 4, 4))]
+# (block_m, (block_n, block_k, warps, stages), group_m), one tile for both GEMMs
+MOE_TILES = ([(128, (128, 64, 8, 4), g) for g in (0, 1, 2, 4, 8)] + [(64, (128, 64, 8, 4), g) for g in (1, 2, 4)]
+             + [(128, (128, 64, 4, 4), g) for g in (2, 4)] + [(128, (128, 64, 8, 3), 2), (64, (64, 64, 4, 4), 2)])
 
 
 def moe_phase(args, deadline: float) -> list[dict]:
@@ -249,14 +248,13 @@ def moe_phase(args, deadline: float) -> list[dict]:
         row["fused_default"] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0),
                                         args.reps)
         row["default_config"] = repr(default)
-        for bm, gu, dn in MOE_TILES:
+        for bm, (bn, bk, warps, stages), group in MOE_TILES:
             if time.monotonic() > deadline:
                 row["cut_short"] = True
                 break
-            cfg = fm.MoEConfig(block_m=bm, gate_up=fm.GemmTile(block_n=gu[0], block_k=gu[1], num_warps=gu[2],
-                                                               num_stages=gu[3]),
-                               down=fm.GemmTile(block_n=dn[0], block_k=dn[1], num_warps=dn[2], num_stages=dn[3]))
-            key = f"bm{bm} gu{gu} dn{dn}"
+            tile = fm.GemmTile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group)
+            cfg = fm.MoEConfig(block_m=bm, gate_up=tile, down=tile)
+            key = f"bm{bm} {(bn, bk, warps, stages)} g{group}"
             try:
                 row[key] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0,
                                                          config=cfg), args.reps)
@@ -311,6 +309,10 @@ def print_tables(result) -> None:
     print("\nprefill kernels, ms (eager, CUDA events, median); floors at 790 TFLOP/s")
     print("| T | ctx | peer index | ours index | peer sparse | ours sparse | sdpa dense | ours dense | "
           "sparse floor | dense floor | index floor |")
+    for name in ("check", "sweep", "table", "moe"):
+        if isinstance(result.get(name), dict) and "error" in result[name]:
+            print(f"phase {name} failed: {result[name]['error'][-300:]}")
+            result[name] = [] if name != "check" else result[name]
     for r in result.get("table", []):
         if "error" in r:
             print(f"| {r['T']} | {r['ctx']} | error |")

@@ -20,6 +20,9 @@ ALPHA, LIMIT = 1.702, 7.0
 on_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA machine: Triton compiles for the GPU here")
 # small tiles so the tiny shapes still take several blocks per expert, several column tiles and a K loop
 TINY = fm.MoEConfig(block_m=16, gate_up=fm.GemmTile(block_n=16, block_k=16), down=fm.GemmTile(block_n=16, block_k=16))
+# the grouped program order (prefill): groups of 3 row blocks, so the last group is partial
+TINY_GROUPED = fm.MoEConfig(block_m=16, gate_up=fm.GemmTile(block_n=16, block_k=16, group_m=3),
+                            down=fm.GemmTile(block_n=16, block_k=16, group_m=2))
 
 
 def _routing(t: int, k: int, num_ids: int, gen: torch.Generator, *, skew: int | None = None,
@@ -85,7 +88,8 @@ def test_align_sorts_pairs_by_expert_stably_with_empty_single_and_foreign_expert
 @on_cpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("case", ["one_token", "uneven", "foreign_experts", "tokens_without_local_experts"])
-def test_fused_moe_matches_ref(case, dtype, tol, nan_poison, poisoned_workspace):
+@pytest.mark.parametrize("config", [TINY, TINY_GROUPED], ids=["m-fastest", "grouped"])
+def test_fused_moe_matches_ref(case, dtype, tol, config, nan_poison, poisoned_workspace):
     poison_, assert_all_written = nan_poison
     gen = torch.Generator().manual_seed(sum(map(ord, case)))
     h, i = 48, 24  # not powers of two: masked K tail and a partial column tile
@@ -103,7 +107,7 @@ def test_fused_moe_matches_ref(case, dtype, tol, nan_poison, poisoned_workspace)
     weights = torch.rand(t, ids.shape[1], generator=gen) + 0.1
     w_gu, w_d = _weights(e, h, i, dtype, gen)
     out = poison_(torch.empty(t, h, dtype=dtype))
-    got = fm.fused_moe(x, ids, weights, w_gu, w_d, alpha=ALPHA, limit=LIMIT, expert_start=start, config=TINY,
+    got = fm.fused_moe(x, ids, weights, w_gu, w_d, alpha=ALPHA, limit=LIMIT, expert_start=start, config=config,
                        out=out, backend="triton")
     assert got.data_ptr() == out.data_ptr()
     assert_all_written(out)
