@@ -150,12 +150,23 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, qsl_ptr, pos_ptr, bid_pt
 
 
 # Launch options per kind: tokens per program (BT), query heads per program (HG; "group" = the whole KV group),
-# keys per tile, warps, stages. The sparse kernel always holds the whole group (heads share the selection).
-# benchmarks/kernels/bench_prefill.py sweeps them on the H200; docs/benchmarks.md has the table behind the choice.
+# keys per tile, warps, stages. The sparse kernel always holds the whole group (heads share the selection), and
+# its tokens None picks BT by the table's blocks (`sparse_tokens`). benchmarks/kernels/bench_prefill.py sweeps
+# them on the H200; docs/benchmarks.md has the sweep behind the choice (dense: 8 x 16 rows of 128 keys, 8 warps,
+# 3 stages was best at 8k and within 1% at 32k; sparse: 4 tokens best at 8k context, 1 token at 32k).
 PREFILL_LAUNCH = {
-    "dense": {"tokens": 8, "heads": "group", "block_n": 64, "num_warps": 4, "num_stages": 3},
-    "sparse": {"tokens": 4, "heads": "group", "block_n": 64, "num_warps": 4, "num_stages": 3},
+    "dense": {"tokens": 8, "heads": "group", "block_n": 128, "num_warps": 8, "num_stages": 3},
+    "sparse": {"tokens": None, "heads": "group", "block_n": 64, "num_warps": 4, "num_stages": 3},
 }
+
+
+def sparse_tokens(num_blocks: int, topk: int) -> int:
+    """Tokens per sparse program. Where a request has few blocks beyond its top-k, the tokens of a tile select
+    nearly the same blocks and sharing each K/V tile among 4-8 of them pays; where it has many (random-looking
+    selections of 16 in hundreds of blocks) the union grows with every token and one token per program (M = the
+    group's 16 heads) reads the least (H200: 4 best at 64 blocks, 1 at 256)."""
+    ratio = num_blocks / max(topk, 1)
+    return 8 if ratio <= 1 else 4 if ratio <= 6 else 2 if ratio <= 12 else 1
 
 
 def _launch_options(kind: str, group: int, override: dict | None) -> dict:
@@ -199,6 +210,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("prefill attention: block_ids must be int32 with a unit last stride")
     opts = _launch_options("sparse" if sparse else "dense", group, launch)
     bt, hg = opts.pop("tokens"), opts.pop("heads")
+    if bt is None:
+        bt = sparse_tokens(page_tables.shape[1], block_ids.shape[-1])
     if bt & (bt - 1) or hg & (hg - 1):
         raise ValueError(f"prefill attention: tokens {bt} and heads {hg} per program must be powers of two")
     bt = max(bt, 16 // hg)  # tl.dot needs >= 16 rows (small groups of test models)
@@ -217,4 +230,4 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-__all__ = ["prefill_attention", "PREFILL_LAUNCH"]
+__all__ = ["prefill_attention", "PREFILL_LAUNCH", "sparse_tokens"]

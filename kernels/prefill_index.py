@@ -34,7 +34,7 @@ def _insert(vals, ids, s, b):
     wid = tl.max(tl.where(vals == worst[:, None], ids, -1), axis=1)
     take = (s > worst) & (s > float("-inf"))
     slot = (ids == wid[:, None]) & take[:, None]
-    return tl.where(slot, s[:, None], vals), tl.where(slot, b.to(tl.int32), ids)
+    return tl.where(slot, s[:, None], vals), tl.where(slot, b, ids).to(tl.int32)  # b may be int64
 
 
 @triton.jit
@@ -131,8 +131,9 @@ PREFILL_INDEX_LAUNCH = {"rows": 64, "num_warps": 4, "num_stages": 2, "splits": N
 
 
 def default_index_splits(num_tiles: int, max_blocks: int, device: torch.device) -> int:
-    """Splits of the block axis so tiles * splits ~ 2x the SMs, each split keeping >= 16 blocks."""
-    want = -(-2 * num_sms(device) // max(num_tiles, 1))
+    """Splits of the block axis so tiles * splits ~ 1.5x the SMs, each split keeping >= 16 blocks (H200, T = 2,048
+    at 32k context: 2 splits 0.28 ms, 3 splits 0.34, 1 split 0.35)."""
+    want = -(-3 * num_sms(device) // max(2 * num_tiles, 1))
     return max(1, min(want, max_blocks // 16))
 
 

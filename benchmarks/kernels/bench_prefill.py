@@ -42,12 +42,12 @@ PEER = {(2048, 2048): (0.147, 0.701, 0.190), (2048, 8192): (0.190, 1.324, None),
 CASES = "2048:2048,2048:8192,8192:8192,2048:32768,8192:32768,2048:131072,8192:131072"
 
 SPARSE_SWEEP = [dict(tokens=t, block_n=n, num_warps=w, num_stages=s) for t in (1, 2, 4, 8)
-                for n, w, s in ((64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 3), (128, 8, 3))]
+                for n, w, s in ((64, 4, 3), (128, 4, 2), (128, 8, 3))]
 DENSE_SWEEP = [dict(tokens=t, heads=h, block_n=n, num_warps=w, num_stages=s)
-               for t, h in ((8, 16), (4, 16), (16, 8), (128, 1), (64, 1))
-               for n, w, s in ((64, 4, 3), (128, 8, 2), (128, 8, 3), (64, 8, 3), (128, 4, 2))]
-INDEX_SWEEP = ([dict(rows=r, num_warps=w, num_stages=s) for r in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
-               + [dict(splits=s) for s in (1, 2, 4, 8)])
+               for t, h in ((8, 16), (16, 8), (128, 1))
+               for n, w, s in ((128, 8, 3), (64, 4, 3), (128, 8, 4))]
+INDEX_SWEEP = ([dict(rows=r, num_warps=w, num_stages=s) for r in (32, 64, 128) for w, s in ((4, 2), (4, 3))]
+               + [dict(splits=s) for s in (1, 2, 3, 4)])
 
 
 def parse_args(argv=None):
@@ -55,6 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--phases", default="check,sweep,table,moe")
     p.add_argument("--cases", default=CASES, help="T:ctx,...")
     p.add_argument("--sweep-cases", default="8192:8192,2048:32768")
+    p.add_argument("--sweep-kinds", default="index,sparse,dense")
     p.add_argument("--moe-tokens", default="2048,8192")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=400.0, help="skip sweep points past this much wall time")
@@ -64,6 +65,7 @@ def parse_args(argv=None):
     a.sweep_cases = [tuple(int(x) for x in c.split(":")) for c in a.sweep_cases.split(",") if c]
     a.moe_tokens = [int(t) for t in a.moe_tokens.split(",") if t]
     a.phases = a.phases.split(",")
+    a.sweep_kinds = a.sweep_kinds.split(",")
     return a
 
 
@@ -114,18 +116,21 @@ def run_attn(c, sel, launch=None):
                              num_requests=1, max_len=c["t"], launch=launch)
 
 
-def run_sdpa(c):
-    """torch SDPA (flash) on contiguous q/k/v of the same data: causal, GQA (t == ctx only)."""
+def run_sdpa(c, expand: bool):
+    """torch SDPA (flash) on contiguous q/k/v of the same data, causal (t == ctx only): GQA through
+    enable_gqa, or (expand) with K/V repeated to the 64 query heads before the timing, as plain MHA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     k = c["k"][c["table"][0].long()].reshape(-1, HKV, D)[:c["ctx"]].transpose(0, 1)[None]
     v = c["v"][c["table"][0].long()].reshape(-1, HKV, D)[:c["ctx"]].transpose(0, 1)[None]
     q = c["q"].transpose(0, 1)[None].contiguous()
+    if expand:
+        k, v = k.repeat_interleave(HQ // HKV, dim=1), v.repeat_interleave(HQ // HKV, dim=1)
     k, v = k.contiguous(), v.contiguous()
 
     def call():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not expand)
 
     return call
 
@@ -176,6 +181,8 @@ def sweep_phase(args, deadline: float) -> list[dict]:
         for kind, configs, fn in (("index", INDEX_SWEEP, lambda l: run_index(c, l)),
                                   ("sparse", SPARSE_SWEEP, lambda l: run_attn(c, sel, l)),
                                   ("dense", DENSE_SWEEP, lambda l: run_attn(c, None, l))):
+            if kind not in args.sweep_kinds:
+                continue
             for launch in configs:
                 if time.monotonic() > deadline:
                     res["cut_short"] = True
@@ -205,7 +212,8 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
             row["sparse"] = event_ms(lambda: run_attn(c, sel), args.reps)
             row["dense"] = event_ms(lambda: run_attn(c, None), args.reps)
             if t == ctx:
-                row["sdpa"] = event_ms(run_sdpa(c), args.reps)
+                row["sdpa_gqa"] = event_ms(run_sdpa(c, False), args.reps)
+                row["sdpa"] = event_ms(run_sdpa(c, True), args.reps)
             s = best.get((t, ctx))
             for kind in ("index", "sparse", "dense") if s else ():
                 if s.get(f"best_{kind}"):
@@ -223,9 +231,11 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
     return rows
 
 
-# (block_m, (block_n, block_k, warps, stages), group_m), one tile for both GEMMs
-MOE_TILES = ([(128, (128, 64, 8, 4), g) for g in (0, 1, 2, 4, 8)] + [(64, (128, 64, 8, 4), g) for g in (1, 2, 4)]
-             + [(128, (128, 64, 4, 4), g) for g in (2, 4)] + [(128, (128, 64, 8, 3), 2), (64, (64, 64, 4, 4), 2)])
+# (block_m, gate_up (block_n, block_k, warps, stages, group_m), down (same)); None: the default's tile
+MOE_TILES = [(128, (128, 64, 8, 4, 1), (256, 64, 8, 3, 1)), (128, (128, 64, 8, 4, 1), (128, 128, 8, 3, 1)),
+             (128, (128, 64, 8, 3, 1), (128, 64, 8, 3, 1)), (128, (128, 64, 8, 4, 2), (128, 64, 8, 4, 2)),
+             (128, (64, 64, 4, 4, 1), (128, 64, 8, 4, 1)), (128, (128, 32, 8, 5, 1), (128, 64, 8, 4, 1)),
+             (64, (128, 64, 8, 4, 1), (128, 64, 8, 4, 1))]
 
 
 def moe_phase(args, deadline: float) -> list[dict]:
@@ -248,13 +258,16 @@ def moe_phase(args, deadline: float) -> list[dict]:
         row["fused_default"] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0),
                                         args.reps)
         row["default_config"] = repr(default)
-        for bm, (bn, bk, warps, stages), group in MOE_TILES:
+        for bm, gu, dn in MOE_TILES:
             if time.monotonic() > deadline:
                 row["cut_short"] = True
                 break
-            tile = fm.GemmTile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group)
-            cfg = fm.MoEConfig(block_m=bm, gate_up=tile, down=tile)
-            key = f"bm{bm} {(bn, bk, warps, stages)} g{group}"
+
+            def tile(o):
+                return fm.GemmTile(block_n=o[0], block_k=o[1], num_warps=o[2], num_stages=o[3], group_m=o[4])
+
+            cfg = fm.MoEConfig(block_m=bm, gate_up=tile(gu), down=tile(dn))
+            key = f"bm{bm} gu{gu} dn{dn}"
             try:
                 row[key] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0,
                                                          config=cfg), args.reps)
@@ -307,7 +320,7 @@ def _f(x) -> str:
 
 def print_tables(result) -> None:
     print("\nprefill kernels, ms (eager, CUDA events, median); floors at 790 TFLOP/s")
-    print("| T | ctx | peer index | ours index | peer sparse | ours sparse | sdpa dense | ours dense | "
+    print("| T | ctx | peer index | ours index | peer sparse | ours sparse | sdpa dense (mha / gqa) | ours dense | "
           "sparse floor | dense floor | index floor |")
     for name in ("check", "sweep", "table", "moe"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
@@ -318,7 +331,8 @@ def print_tables(result) -> None:
             print(f"| {r['T']} | {r['ctx']} | error |")
             continue
         print(f"| {r['T']} | {r['ctx']} | {_f(r.get('peer_index'))} | {_f(r['index'])} | {_f(r.get('peer_sparse'))} "
-              f"| {_f(r['sparse'])} | {_f(r.get('sdpa'))} | {_f(r['dense'])} | {_f(r['sparse_floor'])} "
+              f"| {_f(r['sparse'])} | {_f(r.get('sdpa'))} / {_f(r.get('sdpa_gqa'))} | {_f(r['dense'])} "
+              f"| {_f(r['sparse_floor'])} "
               f"| {_f(r['dense_floor'])} | {_f(r['index_floor'])} |")
     for s in result.get("sweep", []):
         print(f"sweep T={s['T']} ctx={s['ctx']}: " + "; ".join(f"{k} {s.get('best_' + k)}"
