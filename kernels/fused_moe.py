@@ -4,12 +4,13 @@ Weights (what msa/moe.py stores): w_gate_up [E, 2I, H] (gate rows, then up rows)
 experts, whose global ids are expert_start .. expert_start + E - 1. Pairs routed to other experts are skipped
 (they contribute nothing: another rank adds them).
 
-Four launches, none of which needs the host to know how many tokens each expert received, so the whole MoE can
-be captured in a CUDA graph at a fixed token count:
+Four launches (six at prefill sizes), none of which needs the host to know how many tokens each expert received,
+so the whole MoE can be captured in a CUDA graph at a fixed token count:
   1. `_align_kernel` (one program): counts the pairs of each local expert, their start in the expert-sorted
      order, the inclusive prefix sum of each expert's row blocks (cdiv(count, BLOCK_M)), and writes the pairs
      sorted by expert (stable: by pair index within an expert). No padding is materialised: a block knows its
-     own row count.
+     own row count. Above PARALLEL_ALIGN_PAIRS pairs the same result comes from three launches: per-chunk
+     counts, one scan of the [chunks, experts] table, per-chunk placement.
   2. `_gate_up_kernel`: grid (max_blocks, cdiv(I, BLOCK_N)). Program (b, n) finds its expert by counting the
      block prefix sums <= b (blocks past the last used one exit), gathers the block's token rows of x, runs
      gate and up tiles over H, applies SwiGLU-OAI in fp32 and stores act [pairs, I] in the input dtype.
@@ -106,6 +107,57 @@ def _align_kernel(ids_ptr, num_pairs, expert_start, counts_ptr, row_start_ptr, b
         dest = tl.sum(hit * (base[None, :] + before), axis=1)
         tl.store(sorted_ptr + dest, p, mask=tl.sum(hit, axis=1) > 0)
         base += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _chunk_hits(ids_ptr, num_pairs, expert_start, chunk, E: tl.constexpr, E_PAD: tl.constexpr,
+                CHUNK: tl.constexpr):
+    # one-hot [CHUNK, E_PAD] of the chunk's pairs over the local experts (a pair of another rank matches none)
+    p = chunk * CHUNK + tl.arange(0, CHUNK)
+    experts = tl.arange(0, E_PAD)
+    local = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32) - expert_start
+    local = tl.where(p < num_pairs, local, -1)
+    return p, ((local[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)
+
+
+@triton.jit
+def _chunk_count_kernel(ids_ptr, num_pairs, expert_start, chunk_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    # parallel alignment, pass 1: program c counts chunk c's pairs per local expert -> chunk_ptr[c, :]
+    c = tl.program_id(0)
+    _, hit = _chunk_hits(ids_ptr, num_pairs, expert_start, c, E, E_PAD, CHUNK)
+    tl.store(chunk_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hit, axis=0))
+
+
+@triton.jit
+def _chunk_scan_kernel(chunk_ptr, num_chunks, counts_ptr, row_start_ptr, block_end_ptr, E: tl.constexpr,
+                       E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, NC_PAD: tl.constexpr):
+    # pass 2 (one program): totals, expert starts and block ends; chunk_ptr[c, e] becomes where chunk c's first
+    # pair of expert e goes (the expert's start + the pairs of earlier chunks)
+    cs = tl.arange(0, NC_PAD)
+    experts = tl.arange(0, E_PAD)
+    where = chunk_ptr + cs[:, None] * E_PAD + experts[None, :]
+    per_chunk = tl.load(where, mask=(cs < num_chunks)[:, None], other=0)
+    counts = tl.sum(per_chunk, axis=0)
+    row_end = tl.cumsum(counts, axis=0)
+    tl.store(counts_ptr + experts, counts, mask=experts < E)
+    tl.store(row_start_ptr + experts, row_end - counts, mask=experts < E)
+    tl.store(block_end_ptr + experts, tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0), mask=experts < E)
+    base = (row_end - counts)[None, :] + tl.cumsum(per_chunk, axis=0) - per_chunk
+    tl.store(where, base, mask=(cs < num_chunks)[:, None])
+
+
+@triton.jit
+def _chunk_place_kernel(ids_ptr, num_pairs, expert_start, chunk_ptr, sorted_ptr, E: tl.constexpr,
+                        E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    # pass 3: program c writes its pairs at their expert's base for the chunk + the expert's pairs before them in
+    # the chunk: stable, the same order as the one-program kernel
+    c = tl.program_id(0)
+    p, hit = _chunk_hits(ids_ptr, num_pairs, expert_start, c, E, E_PAD, CHUNK)
+    base = tl.load(chunk_ptr + c * E_PAD + tl.arange(0, E_PAD))
+    before = tl.cumsum(hit, axis=0) - hit
+    dest = tl.sum(hit * (base[None, :] + before), axis=1)
+    tl.store(sorted_ptr + dest, p, mask=tl.sum(hit, axis=1) > 0)
 
 
 @triton.jit
@@ -259,7 +311,8 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) ->
     """Decode (a few pairs per expert): 16-row blocks and narrow column tiles, so that the weight stream of
     even one or four experts spreads over every SM. Prefill (many pairs per expert): 128-row blocks, 128-column
     tiles over 8 warps, and the grouped program order so row blocks are read once (H200, m3-slice routed experts,
-    docs/benchmarks.md: T = 2,048 6.98 -> 4.41 ms, T = 8,192 13.65 -> 10.9 ms)."""
+    docs/benchmarks.md: T = 2,048 6.98 -> 4.42 ms, T = 8,192 13.65 -> 10.63 ms; the down GEMM's 256-wide tiles
+    over its 6144 columns gain ~5% at 8k)."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:
         return MoEConfig(block_m=16, gate_up=GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=4),
@@ -268,7 +321,7 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) ->
         return MoEConfig(block_m=32, gate_up=GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3),
                          down=GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3))
     return MoEConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1),
-                     down=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1))
+                     down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=1))
 
 
 def _fit(tile: GemmTile, n: int, k: int) -> GemmTile:
@@ -306,6 +359,10 @@ class Alignment:
     block_m: int
 
 
+PARALLEL_ALIGN_PAIRS = 2048  # above this many pairs, the three-launch parallel alignment
+ALIGN_CHUNK_MIN = 64  # pairs per program of the parallel alignment, at least
+
+
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, expert_start: int = 0) -> Alignment:
     """Sort the (token, slot) pairs of topk_ids [T, k] by local expert (global id - expert_start in
     [0, num_experts)), on the device, in one launch, without a host sync."""
@@ -319,9 +376,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, expert_
     block_end = _empty((num_experts,), torch.int32, dev)
     sorted_pairs = _empty((max(n, 1),), torch.int32, dev)
     e_pad = next_pow2(num_experts)
-    chunk = max(16, min(128, 8192 // e_pad))
-    runnable(_align_kernel, dev)[(1,)](topk_ids, n, expert_start, counts, row_start, block_end, sorted_pairs,
-                                        E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+    if n <= PARALLEL_ALIGN_PAIRS:
+        chunk = max(16, min(128, 8192 // e_pad))
+        runnable(_align_kernel, dev)[(1,)](topk_ids, n, expert_start, counts, row_start, block_end, sorted_pairs,
+                                            E=num_experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+    else:
+        # many pairs (prefill): one program walking them serially took ~2 ms for 32k pairs on the H200; count per
+        # chunk in parallel, scan the [chunks, E] table in one program, place per chunk in parallel
+        chunk = max(ALIGN_CHUNK_MIN, next_pow2(-(-n // 256)))  # <= 256 chunks: the scan's table fits one program
+        num_chunks = -(-n // chunk)
+        table = _empty((num_chunks, e_pad), torch.int32, dev)
+        opts = dict(E=num_experts, E_PAD=e_pad, CHUNK=chunk, num_warps=4)
+        runnable(_chunk_count_kernel, dev)[(num_chunks,)](topk_ids, n, expert_start, table, **opts)
+        runnable(_chunk_scan_kernel, dev)[(1,)](table, num_chunks, counts, row_start, block_end, E=num_experts,
+                                                 E_PAD=e_pad, BLOCK_M=block_m, NC_PAD=next_pow2(num_chunks),
+                                                 num_warps=8)
+        runnable(_chunk_place_kernel, dev)[(num_chunks,)](topk_ids, n, expert_start, table, sorted_pairs, **opts)
     return Alignment(counts=counts, row_start=row_start, block_end=block_end, sorted_pairs=sorted_pairs,
                      block_m=block_m)
 

@@ -64,7 +64,12 @@ def poisoned_workspace(monkeypatch, nan_poison):
 # ---------------------------------------------------------------- CPU (interpreter)
 
 @on_cpu
-def test_align_sorts_pairs_by_expert_stably_with_empty_single_and_foreign_experts(poisoned_workspace):
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-program", "parallel"])
+def test_align_sorts_pairs_by_expert_stably_with_empty_single_and_foreign_experts(poisoned_workspace, parallel,
+                                                                                   monkeypatch):
+    if parallel:  # the prefill-size path, on 4 chunks of 16 pairs
+        monkeypatch.setattr(fm, "PARALLEL_ALIGN_PAIRS", 0)
+        monkeypatch.setattr(fm, "ALIGN_CHUNK_MIN", 16)
     gen = torch.Generator().manual_seed(0)
     # ids 0..9, local experts 2..7 (6): expert 2 gets 18 pairs (two 16-row blocks), 3 none, 4 exactly one,
     # ids 0, 1, 8, 9 belong to other ranks
