@@ -307,7 +307,7 @@ class MoEConfig:
     down: GemmTile
 
 
-def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> MoEConfig:
+def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int, *, elem_bytes: int = 2) -> MoEConfig:
     """Decode (a few pairs per expert): 16-row blocks and narrow column tiles, so that the weight stream of
     even one or four experts spreads over every SM. Prefill (many pairs per expert): 128-row blocks, 128-column
     tiles over 8 warps, and the grouped program order so row blocks are read once (H200, m3-slice routed experts,
@@ -320,6 +320,9 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) ->
     if per_expert <= 32:
         return MoEConfig(block_m=32, gate_up=GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3),
                          down=GemmTile(block_n=64, block_k=128, num_warps=4, num_stages=3))
+    if elem_bytes > 2:  # fp32 (parity runs): the bf16 stages would not fit in shared memory
+        return MoEConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=32, num_warps=8, num_stages=2, group_m=1),
+                         down=GemmTile(block_n=128, block_k=32, num_warps=8, num_stages=2, group_m=1))
     return MoEConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1),
                      down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=1))
 
@@ -504,7 +507,7 @@ def fused_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         return out
     e, two_i, _ = w_gate_up.shape
     k = topk_ids.shape[1]
-    cfg = config or default_config(t * k, e, h, two_i // 2)
+    cfg = config or default_config(t * k, e, h, two_i // 2, elem_bytes=x.element_size())
     ids = topk_ids.contiguous()
     align = moe_align(ids, e, cfg.block_m, expert_start=expert_start)
     act = launch_gate_up(x, w_gate_up, align, k, alpha, limit, cfg.gate_up)

@@ -216,6 +216,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError(f"prefill attention: tokens {bt} and heads {hg} per program must be powers of two")
     bt = max(bt, 16 // hg)  # tl.dot needs >= 16 rows (small groups of test models)
     block_n = min(opts.pop("block_n"), ps)
+    dot_fp32 = torch.float32 in (q.dtype, k_cache.dtype)
+    if dot_fp32 and launch is None:
+        # fp32 (parity runs): twice the bytes per tile; the bf16 defaults would ask ~272 KB of shared memory
+        block_n, opts["num_stages"] = min(block_n, 64), min(opts["num_stages"], 2)
     topk = block_ids.shape[-1] if sparse else 1
     bid = block_ids if sparse else page_tables
     bid_st = (block_ids.stride(0), block_ids.stride(1)) if sparse else (0, 0)
@@ -226,7 +230,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
         bid_st[0], bid_st[1], out.stride(0), out.stride(1), float(scale) * _LOG2E, num_tiles,
         G=group, HG=hg, BT=bt, D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(2, next_pow2(topk)),
-        SPARSE=sparse, DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype), **opts)
+        SPARSE=sparse, DOT_FP32=dot_fp32, **opts)
     return out
 
 

@@ -78,3 +78,19 @@ def test_mixed_step_gpu(paged_case):
     assert _rel(got, attention.paged_attention_ref(*args, D ** -0.5, sel)) < 1e-2
     got = attention.dense_attention(*args, D ** -0.5, num_prefill_rows=npf, prefill=layout)
     assert _rel(got, attention.paged_attention_ref(*args, D ** -0.5)) < 1e-2
+
+
+def test_prefill_fp32_defaults_fit_gpu(paged_case):
+    # fp32 models (the parity runs) take the default launches too: their tiles must fit in shared memory
+    case, (qsl, nreq, longest), q, qi = _case(paged_case, CHUNKS[:2], seed=4)
+    f = {name: getattr(case, name).float() for name in ("k_cache", "v_cache", "index_k_cache")}
+    q, qi = q.float(), qi.float()
+    sel = prefill_index_topk(qi, f["index_k_cache"], case.page_tables, qsl, case.positions, TOPK, 1,
+                             num_requests=nreq, max_len=longest)
+    assert torch.equal(sel, itk.index_topk_ref(qi, f["index_k_cache"], case.page_tables, case.row_seq,
+                                               case.positions, TOPK, 1))
+    args = (q, f["k_cache"], f["v_cache"], case.page_tables)
+    for block_ids in (None, sel):
+        got = prefill_attention(*args, qsl, case.positions, D ** -0.5, block_ids, num_requests=nreq, max_len=longest)
+        want = attention.paged_attention_ref(*args, case.row_seq, case.positions, D ** -0.5, block_ids)
+        assert _rel(got, want) < 1e-5
