@@ -43,10 +43,20 @@ logger = logging.getLogger("m3serve.server")
 
 RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_KV_S = 1.0
+RETRY_AFTER_OOM_S = 1.0  # a step that ran out of memory: with less load beside it the request may fit
 SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
 HOLD_PREFILL_S = 5.0  # hold_prefills: how long a held prefill waits before it starts
 KEEP_ANSWERS = 1024  # prefill answers kept for decode streams that have not come yet (fail_remote)
 SUBSCRIPTION_IDLE_S = 1.0  # an idle subscription still sends an empty item this often (a gone subscriber shows)
+
+
+def step_error(e) -> EngineError:
+    """A `StepFailedError` (a step that ran the request failed; the engine serves on) as the client's answer:
+    503 with Retry-After when the step ran out of memory (with less load beside it the request may fit), else
+    500."""
+    if e.out_of_memory:
+        return EngineError(status=503, message=str(e), code="out_of_memory", retry_after=RETRY_AFTER_OOM_S)
+    return EngineError(status=500, message=str(e), code="step_failed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,7 +222,7 @@ class EngineServer:
         self._load_started = time.monotonic()
         self._load_seconds: float | None = None
         # Request outcomes as this server saw them (operators' view of cancellations; the leak tests use it).
-        self._counters = {"started": 0, "finished": 0, "aborted": 0, "rejected": 0}
+        self._counters = {"started": 0, "finished": 0, "aborted": 0, "rejected": 0, "failed": 0}
         # KV transfers the metrics reporter recorded (prefill side: one per transfer)
         self._transfer_totals = {"transfers": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
         self._dp_admissions: dict[int, int] = {}  # attention DP: requests admitted (decode) / placed per dp rank
@@ -321,9 +331,10 @@ class EngineServer:
         aborts the request in the engine and frees its pages (client gone, or cancelled by Serve when the HTTP
         client disconnected); the explicit abort covers an iterator never started."""
         from workers.async_engine import EngineDeadError
+        from workers.request import StepFailedError
 
         self._counters["started"] += 1
-        finished = refused = False
+        finished = refused = failed = False
         try:
             async for out in outputs:
                 chunk = tracker.chunk(out)
@@ -335,6 +346,8 @@ class EngineServer:
             if isinstance(e, EngineDeadError):  # this replica serves nothing more until Serve restarts it
                 self._state, self._error, self._died = "failed", str(e), True
                 error = EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+            elif isinstance(e, StepFailedError):  # the engine ended it and serves on
+                error, failed = step_error(e), True
             else:
                 error = error_for(e)
             if error is None:
@@ -348,7 +361,8 @@ class EngineServer:
             await outputs.aclose()
             if not finished and not refused:
                 self._engine.abort(request_id)
-            self._counters["finished" if finished else "rejected" if refused else "aborted"] += 1
+            self._counters["finished" if finished else "failed" if failed else "rejected" if refused
+                           else "aborted"] += 1
 
     async def abort(self, request_id: str) -> None:
         for box in self._boxes.values():  # a subscribed request: its pump's stream aborts as it closes
@@ -428,6 +442,7 @@ class EngineServer:
             yield self._not_ready()
             return
         from workers.async_engine import EngineDeadError, QueueFullError
+        from workers.request import StepFailedError
 
         if self._held_prefills.get(req.request_id) == "hold":  # tests: a prefill that has not started yet
             await asyncio.sleep(HOLD_PREFILL_S)
@@ -435,7 +450,7 @@ class EngineServer:
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt,
                                         handoff_to=decode_group, transfer_id=transfer_id)
         self._counters["started"] += 1
-        handed_off = settled = refused = False
+        handed_off = settled = refused = failed = False
         try:
             async for out in outputs:
                 handed_off = out.finished and out.outputs[0].finish_reason is None
@@ -461,12 +476,16 @@ class EngineServer:
             refused = True
             self._state, self._error, self._died = "failed", str(e), True
             yield EngineError(status=503, message=f"engine failed: {e}", code="engine_failed")
+        except StepFailedError as e:  # the engine ended it (its handoff too) and serves on
+            refused = failed = True
+            yield step_error(e)
         finally:
             await outputs.aclose()
             ended = settled or (not handed_off and tracker._done)
             if not ended and not refused:  # cancelled: the engine frees the pages once the transfer lets go
                 self._engine.abort(req.request_id)
-            self._counters["finished" if ended else "rejected" if refused else "aborted"] += 1
+            self._counters["finished" if ended else "failed" if failed else "rejected" if refused
+                           else "aborted"] += 1
 
     async def place(self, request_id: str, num_tokens: int | None = None) -> int | None:
         """Prefill with attention DP: the dp rank that will run `request_id`, a prompt of `num_tokens` tokens

@@ -102,8 +102,9 @@ class AsyncEngine:
                        transfer_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request as tokens appear; the last has `.finished` set.
 
-        Raises ValueError (bad request) or QueueFullError before the first output. `handoff_to` (prefill
-        role): after the first token the KV goes to that decode group; see `transfer_outcome`."""
+        Raises ValueError (bad request) or QueueFullError before the first output, `StepFailedError` if a step
+        that ran it failed (the request is gone; the engine serves on). `handoff_to` (prefill role): after the
+        first token the KV goes to that decode group; see `transfer_outcome`."""
         handoff = (handoff_to, transfer_id) if handoff_to is not None else None
         stream = self._submit(request_id, list(prompt_token_ids), params, prompt, handoff)
         async for out in self._drain(request_id, stream):
@@ -187,6 +188,8 @@ class AsyncEngine:
             raise KVTransferFailed(failed)
         if parked is not None:
             if parked.finished:
+                if parked.error is not None:  # a step that ran it failed before anyone streamed it
+                    raise parked.error
                 yield parked
                 return
             stream.queue.put_nowait(parked)  # ahead of anything the step thread sends from now on
@@ -410,12 +413,14 @@ class AsyncEngine:
             for o in outputs:
                 if o.finished:
                     self._streams.pop(o.request_id, None)
+                if o.error is not None:  # no transfer_outcome call follows a failed prefill
+                    self._outcomes.pop(o.request_id, None)
             expired = []
             if self._parks:
                 expired = self._park([o for stream, o in targets if stream is None])
         for stream, out in targets:
-            if stream is not None:
-                stream.put(out)
+            if stream is not None:  # a request a failed step ended gets its error instead of its last output
+                stream.put(out if out.error is None else out.error)
         for stream, why in failed_streams:
             stream.put(KVTransferFailed(why))
         if expired:  # started decoding, but nobody came for it: stop it, free its pages

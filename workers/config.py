@@ -54,6 +54,10 @@ class EngineConfig:
     # sizes captured, ascending; None = 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to min(max_num_seqs, 512).
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # attention and indexer kernels: "auto" = Triton on CUDA, the torch references on CPU; "triton" forces the
+    # kernels (on CPU through the Triton interpreter: TRITON_INTERPRET=1 before triton is imported; tests),
+    # "ref" the torch references (a check on a GPU; never for serving: they allocate [T, heads, context])
+    attention_backend: Literal["auto", "triton", "ref"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -14,11 +14,16 @@ expired). "decode" reserves a request's pages first (`admit_remote`), receives t
 decodes from there as soon as they landed: the first token rides in the KV header (or, for a retried prefill,
 comes through `continue_remote`). `poll_transfers` (called by `step`) moves those requests on; it never blocks.
 
+A step whose execute raises fails only the requests scheduled in it (their pages freed, each reported finished
+with `RequestOutput.error`, a `StepFailedError`; a prefill's handoff reported failed); waiting requests and later
+steps go on. Only an `ExecutorDeadError` (a worker group that lost a rank, a dead shard actor) stops the engine.
+
 Not thread-safe: one thread drives an Engine (the `AsyncEngine` step thread, or the `LLM` caller).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -29,6 +34,7 @@ from typing import Literal, Protocol
 from msa.config import load_config
 from workers.batch import StepBatch, build_step_batch
 from workers.config import EngineConfig, ParallelConfig, Role
+from workers.memory import step_failure
 from workers.pages import PageManager
 from workers.request import CompletionOutput, RequestOutput, SamplingParams
 from workers.runner import StepResult
@@ -39,6 +45,12 @@ from workers.stats import TransferStats
 from workers.transfer import TransferAgent, TransferConfig, TransferResult, TransferState
 
 ExecutorKind = Literal["auto", "local", "ray"]
+logger = logging.getLogger("m3serve.engine")
+
+
+class ExecutorDeadError(RuntimeError):
+    """The executor can run no more steps (a worker group lost a rank, a shard actor died): the engine stops,
+    where any other error of a step fails only that step's requests."""
 
 
 class Executor(Protocol):
@@ -321,9 +333,13 @@ class Engine:
         self._announce(sched_out)
         try:
             result = self.executor.execute(batch)
-        except BaseException:
+        except BaseException as e:
+            recoverable = isinstance(e, Exception) and not isinstance(e, ExecutorDeadError)
+            failed = self._fail_step(sched_out, batch, e) if recoverable else None
             self._send_handoffs()  # withdraws what was announced: its pairs wait for it
-            raise
+            if failed is None:
+                raise
+            return failed
         for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
             self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
         sampled: list[int | None] = [None] * len(sched_out.chunks)
@@ -350,6 +366,29 @@ class Engine:
             num_prefill_tokens=sched_out.num_prefill_tokens, num_decode_tokens=sched_out.num_decode_tokens,
             batch_size=len(sched_out.chunks), num_preemptions=len(sched_out.preempted)))
         return polled + outputs
+
+    def _fail_step(self, sched_out, batch: StepBatch, error: Exception) -> list[RequestOutput]:
+        """The executor raised: end exactly the requests of this step with the error (pages freed, a prefill's
+        handoff reported failed) and return their outputs; everything else goes on. (The runner already released
+        the device memory it could.)"""
+        rids = list(dict.fromkeys(c.seq.request.request_id for c in sched_out.chunks))
+        failure = step_failure(error, num_tokens=batch.num_tokens, num_requests=len(rids))
+        logger.error("%s: failing requests %s", failure, rids, exc_info=error)
+        self._released_seq_ids[:0] = batch.released_seq_ids  # in case the shard never saw them
+        outputs = []
+        for rid in rids:
+            t = self._tracked.pop(rid)
+            self._prompt_logprob_pending.pop(rid, None)
+            if self._handoffs.pop(rid, None) is not None:
+                self._outcomes.append((rid, False, str(failure)))
+            req = self.scheduler.abort(rid, reason="error")
+            self._released_seq_ids.extend(q.seq_id for q in req.seqs)
+            t.stats.failure_reason = "out_of_memory" if failure.out_of_memory else "step"
+            self._close_stats(t, "error")
+            out = self._output(t)
+            out.error = failure
+            outputs.append(out)
+        return outputs
 
     def _retire(self, t: _Tracked) -> None:
         """A request finished on this engine: drop its state; a prefill hands its pages to the transfer."""

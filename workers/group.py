@@ -35,7 +35,7 @@ import ray
 
 from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig
-from workers.engine import Engine, role_engine_config
+from workers.engine import Engine, ExecutorDeadError, role_engine_config
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
@@ -49,8 +49,9 @@ class GroupStartError(RuntimeError):
     """A worker group could not start: its placement was not granted in time, or a rank failed to start."""
 
 
-class GroupError(RuntimeError):
-    """A running worker group lost a rank (its step failed or its actor died); the group is unusable."""
+class GroupError(ExecutorDeadError):
+    """A running worker group lost a rank (its step failed or its actor died); the group is unusable (its peers
+    may be stuck in a collective with it), so the engine stops rather than failing only that step's requests."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -901,20 +902,22 @@ class DPEngine(Engine):
             futures.append(self._pool.submit(self._core_step, core, slot))
             slot.reached.wait()  # one core at a time: the next starts once this one handed over or returned
         batches = [s.batch for s in slots]
-        error: BaseException | None = None
+        group_error: BaseException | None = None
         results: list[StepResult | None] = [None] * len(slots)
         t1 = time.perf_counter()
         try:
             results = self.group.execute(batches)
         except BaseException as e:
-            error = e
+            group_error = e
         t2 = time.perf_counter()
         outputs: list[RequestOutput] = []
+        error: BaseException | None = None
         for slot, result, fut in zip(slots, results, futures):
-            slot.result, slot.error = result, error
+            # a core handed the group's error fails its step's requests and goes on, or re-raises it (GroupError)
+            slot.result, slot.error = result, group_error
             slot.go.set()
             try:
-                outputs.extend(fut.result())  # a core's own error, or the group's it re-raised
+                outputs.extend(fut.result())
             except BaseException as e:  # every core must still finish its step before this one raises
                 error = error or e
         if error is not None:

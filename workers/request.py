@@ -75,8 +75,25 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, float]] | None = None  # per generated position: token id -> logprob
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+class StepFailedError(RuntimeError):
+    """A step that ran this request failed (out of device memory, or any error of the forward); the request is
+    gone, the engine serves on. `out_of_memory`: the step ran out of device memory (a shorter prompt or a smaller
+    step may fit)."""
+
+    def __init__(self, message: str, *, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+
+    def __reduce__(self):  # keyword state survives pickling (a Ray hop)
+        return _step_failed, (str(self), self.out_of_memory)
+
+
+def _step_failed(message: str, out_of_memory: bool) -> StepFailedError:
+    return StepFailedError(message, out_of_memory=out_of_memory)
 
 
 @dataclass(kw_only=True)
@@ -87,3 +104,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # set when the engine failed the request (finished, every sample's finish_reason "error"); the async engine
+    # raises it in the request's stream
+    error: StepFailedError | None = None

@@ -9,6 +9,10 @@ engine reads. A dp rank without work still runs an empty forward when its MoE co
 Pure-decode steps replay a CUDA graph of their padded batch size where the shard can capture them
 (workers/cuda_graph.py: CUDA, tp = ep = 1, `enforce_eager` off); the graphs are captured here at startup, after
 the KV pool is allocated, and the capture time is logged. Every other step runs eagerly.
+
+Memory (workers/memory.py): on CUDA the KV pool is sized after a profile step of `max_num_batched_tokens` prompt
+tokens, so the activations of the largest step stay free; a step that still runs out of memory raises
+`StepOutOfMemoryError` after releasing torch's cached blocks, and the engine fails only that step's requests.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ from msa.parallel import ParallelContext
 from workers.batch import StepBatch, logits_row_of_chunk
 from workers.config import EngineConfig
 from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step
+from workers.memory import (StepOutOfMemoryError, check_pool_holds_max_model_len, describe, graph_reserve_bytes,
+                            measure_profile, pages_from_profile, release_cached_memory)
 from workers.sampler import (Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator,
                              skip_draws)
 
@@ -46,21 +52,42 @@ def resolve_dtype(engine_dtype: str, config: M3Config, device: torch.device) -> 
 
 
 def kv_pool_pages(config: M3Config, engine_config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                  ctx: ParallelContext | None = None) -> int:
-    """How many pages this shard's KV pool gets: `num_pages` if set; on CUDA `gpu_memory_utilization` of the
-    memory still free after the weights; elsewhere the `kv_cache_bytes` budget. Call after loading weights."""
+                  ctx: ParallelContext | None = None, model=None) -> tuple[int, int]:
+    """(pages of this shard's KV pool, bytes kept free for the decode graphs). Call after loading weights.
+
+    `num_pages` if set (exact, no profile). On CUDA, vLLM's way (workers/memory.py says why and how): `model`
+    runs one profile step of `max_num_batched_tokens` prompt tokens (+ the LM head and sampler on up to
+    `max_num_seqs` rows) on a temporary cache, and the pool gets
+    `free * gpu_memory_utilization - peak activation - decode graph reserve`, where `free` is the device memory
+    free after the weights (and the profile, released); note it is a fraction of the free memory, not of the
+    device total as in vLLM. Elsewhere the `kv_cache_bytes` budget. A pool sized from a budget that cannot hold
+    one `max_model_len` sequence raises ValueError naming both (an explicit `num_pages` only warns)."""
+    ctx = ctx or ParallelContext.single()
+    page_size = config.page_size
+    max_len = min(engine_config.max_model_len, config.max_position_embeddings)  # what the engine schedules
     if engine_config.num_pages is not None:
-        return engine_config.num_pages
+        check_pool_holds_max_model_len(engine_config.num_pages, page_size, max_len, explicit=True)
+        return engine_config.num_pages, 0
     per_page = KVCache.bytes_per_page(config, dtype, ctx)
+    reserve = 0
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * engine_config.gpu_memory_utilization)
+        profile = measure_profile(model, config, engine_config, device=device, dtype=dtype, ctx=ctx)
+        graphs = graph_skip_reason(engine_config, device, tp_size=ctx.tp_size, ep_size=ctx.ep_size) is None
+        reserve = graph_reserve_bytes(profile.peaks, capture_sizes(engine_config)[-1] if graphs else None)
+        util = engine_config.gpu_memory_utilization
+        pages = pages_from_profile(profile, utilization=util, bytes_per_page=per_page, graph_reserve=reserve)
+        sizing = describe(profile, utilization=util, graph_reserve=reserve, num_pages=pages, bytes_per_page=per_page)
+        logger.info("rank %d: %s", ctx.world_rank, sizing)
+        if pages < 1:
+            raise ValueError(f"gpu_memory_utilization: no KV page is left after the weights and the profile step "
+                             f"({sizing}); raise it, or lower max_num_batched_tokens")
     else:
         budget = engine_config.kv_cache_bytes
-    pages = budget // per_page
-    if pages < 1:
-        raise ValueError(f"kv_cache_bytes: the KV budget ({budget} B) holds no page of {per_page} B")
-    return pages
+        pages = budget // per_page
+        if pages < 1:
+            raise ValueError(f"kv_cache_bytes: the KV budget ({budget} B) holds no page of {per_page} B")
+    check_pool_holds_max_model_len(pages, page_size, max_len, explicit=False)
+    return pages, reserve
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +116,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(engine_config.dtype, config, self.device)
         self.model = load_model(model_dir, device=self.device, dtype=self.dtype, ctx=ctx)
         self.config = self.model.config
-        self.num_pages = kv_pool_pages(self.config, engine_config, self.device, self.dtype, ctx)
+        backend = engine_config.attention_backend
+        self.model.set_attention_backend(None if backend == "auto" else backend)
+        self.num_pages, self._graph_reserve = kv_pool_pages(self.config, engine_config, self.device, self.dtype,
+                                                            ctx, model=self.model)
         self.kv = KVCache.allocate(self.config, self.num_pages, device=self.device, dtype=self.dtype, ctx=ctx)
         self.page_size = self.kv.page_size
         # Unseeded rows draw from this engine-seeded generator; seeded rows get their own (see sampler).
@@ -108,9 +138,14 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv, sizes=capture_sizes(engine_config),
                               max_model_len=engine_config.max_model_len, device=self.device)
         seconds = graphs.capture()
-        logger.info("rank %d: captured %d decode CUDA graphs (batch sizes %s, %d table pages) in %.2f s, %.1f MiB",
-                    self.ctx.world_rank, len(graphs.sizes), list(graphs.sizes), graphs.max_pages, seconds,
-                    graphs.pool_bytes / 2**20)
+        logger.info("rank %d: captured %d decode CUDA graphs (batch sizes %s, %d table pages) in %.2f s, %.1f MiB "
+                    "(%.1f MiB kept for them when the KV pool was sized)", self.ctx.world_rank, len(graphs.sizes),
+                    list(graphs.sizes), graphs.max_pages, seconds, graphs.pool_bytes / 2**20,
+                    self._graph_reserve / 2**20)
+        if engine_config.num_pages is None and graphs.pool_bytes > self._graph_reserve:
+            logger.warning("rank %d: the decode graphs took %.1f MiB, more than the %.1f MiB estimated when the KV "
+                           "pool was sized: eager steps have that much less headroom than the profile step needed",
+                           self.ctx.world_rank, graphs.pool_bytes / 2**20, self._graph_reserve / 2**20)
         return graphs
 
     def info(self) -> dict:
@@ -122,8 +157,21 @@ class ModelRunner:
                 "cuda_graph_sizes": list(self.graphs.sizes) if self.graphs is not None else [],
                 "cuda_graph_capture_s": self.graphs.capture_seconds if self.graphs is not None else None}
 
-    @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
+        """Run one step. Out of device memory: torch's cached blocks are released and `StepOutOfMemoryError`
+        raised (the engine fails this step's requests and goes on); the runner stays usable."""
+        try:
+            return self._execute(batch)
+        except torch.OutOfMemoryError as e:
+            why = str(e).splitlines()[0] if str(e) else "out of memory"
+        # past the except block: the failed forward's frames (and the tensors they held) are gone, so the
+        # cache can really be emptied
+        release_cached_memory(self.device)
+        raise StepOutOfMemoryError(f"out of {self.device.type} memory in a step of {batch.num_tokens} tokens "
+                                   f"({len(batch.chunks)} requests): {why}")
+
+    @torch.inference_mode()
+    def _execute(self, batch: StepBatch) -> StepResult:
         for sid in batch.released_seq_ids:
             self._generators.pop(sid, None)
         if not batch.chunks:

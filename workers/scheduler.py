@@ -262,14 +262,15 @@ class Scheduler:
             self.remote_ready.append(seq)
         return seq
 
-    def abort(self, request_id: str) -> Request | None:
-        """Finish every unfinished sample of the request with reason 'abort', freeing its pages. None if unknown."""
+    def abort(self, request_id: str, reason: str = "abort") -> Request | None:
+        """Finish every unfinished sample of the request with `reason` ('abort', or 'error': a failed step),
+        freeing its pages. None if unknown."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         for seq in req.seqs:
             if not seq.finished:
-                self._finish(seq, "abort", None)
+                self._finish(seq, reason, None)
         return req
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

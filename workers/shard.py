@@ -224,7 +224,14 @@ class RayExecutor:
         return self._info
 
     def execute(self, batch: StepBatch) -> StepResult:
-        return ray.get(self.actor.execute.remote(batch))
+        """The shard's step; its own error (out of memory...) comes back as Ray's task error wrapping it (the
+        engine fails that step's requests), a dead actor as `ExecutorDeadError` (the engine stops)."""
+        from workers.engine import ExecutorDeadError
+
+        try:
+            return ray.get(self.actor.execute.remote(batch))
+        except ray.exceptions.RayActorError as e:
+            raise ExecutorDeadError(f"the shard actor died: {e}") from e
 
     def transfer_agents(self, role: str, num_kv_heads: int, config) -> list:
         """The disaggregation end of the lone shard, hosted in its actor."""

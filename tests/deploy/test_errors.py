@@ -176,3 +176,110 @@ def test_not_ready_engine_gives_503_and_server_stays_up(serve_app, broken_app):
     r = httpx.post(f"{broken_app}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert_openai_error(r, 503, code="not_ready")
     still_serves(serve_app)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_openai_client_gets_context_length_exceeded_for_both_endpoints(serve_app, endpoint):
+    """A prompt longer than max_model_len, and a prompt + max_tokens past it: 400 `context_length_exceeded`,
+    naming the field, raised by the official client as BadRequestError."""
+    import openai
+
+    client = serve_app.client()
+    if endpoint == "completions":
+        too_long = lambda: client.completions.create(model=serve_app.model, prompt=[7] * (MAX_LEN + 10),
+                                                     max_tokens=2)
+        with_max = lambda: client.completions.create(model=serve_app.model, prompt=[7] * 100, max_tokens=MAX_LEN)
+        fields = ("prompt", "max_tokens")
+    else:
+        msg = [{"role": "user", "content": "word " * 2000}]
+        too_long = lambda: client.chat.completions.create(model=serve_app.model, messages=msg, max_tokens=2)
+        with_max = lambda: client.chat.completions.create(model=serve_app.model, max_completion_tokens=MAX_LEN,
+                                                          messages=[{"role": "user", "content": "hi"}])
+        fields = ("messages", "max_completion_tokens")
+    for call, field_name in zip((too_long, with_max), fields):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.status_code == 400
+        assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == field_name
+        assert field_name in e.value.body["message"] and str(MAX_LEN) in e.value.body["message"]
+    still_serves(serve_app)
+
+
+def _engine_replica():
+    """The shared app's engine replica actor (Ray Serve names it SERVE_REPLICA::<app>#<deployment>#<id>)."""
+    import ray
+    from ray.util import list_named_actors
+
+    prefix = "SERVE_REPLICA::m3#EngineServer-unified-0#"
+    names = [(a["name"], a["namespace"]) for a in list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefix)]
+    assert len(names) == 1, names
+    return ray.get_actor(*names[0])
+
+
+def _fail_next_step(prefill_end: int | None = None, decode_position: int | None = None):
+    """Test-only, run inside the engine replica through Ray's `__ray_call__`: wrap the engine's executor so the
+    first step holding a prefill chunk that ends at `prefill_end` (or a decode row at `decode_position`) raises
+    torch.OutOfMemoryError; None for both: unwrap it again. A closure, so it travels by value."""
+    def install(replica) -> None:
+        import torch
+
+        class FailOnce:
+            def __init__(self, inner) -> None:
+                self.inner, self.fired = inner, False
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+            def execute(self, batch):
+                hit = any((not c.is_decode and c.start + c.num_tokens == prefill_end)
+                          or (c.is_decode and c.start == decode_position) for c in batch.chunks)
+                if hit and not self.fired:
+                    self.fired = True
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB (injected)")
+                return self.inner.execute(batch)
+
+        engine = replica._replica_impl._user_callable_wrapper.user_callable._engine.engine
+        inner = getattr(engine.executor, "inner", engine.executor)
+        engine.executor = inner if prefill_end is None and decode_position is None else FailOnce(inner)
+
+    return install
+
+
+def test_a_step_out_of_memory_fails_its_request_with_json_and_the_server_serves_on(serve_app):
+    """The engine's step runs out of memory: that request gets 503 `out_of_memory` as OpenAI error JSON (and a
+    stream already started an error event, then [DONE]); the replica keeps serving and frees every page."""
+    import json
+
+    import ray
+
+    serve_app.wait_idle()
+    replica = _engine_replica()
+    before = serve_app.engine_stats()[0]["counters"]
+    url = f"{serve_app.base_url}/v1/completions"
+    try:
+        ray.get(replica.__ray_call__.remote(_fail_next_step(prefill_end=77)))
+        r = httpx.post(url, headers=serve_app.headers, timeout=60,
+                       json={"model": serve_app.model, "prompt": [11] * 77, "max_tokens": 4})
+        err = assert_openai_error(r, 503, code="out_of_memory")
+        assert err["message"].startswith("the engine ran out of GPU memory in this step (77 tokens, 1 requests)")
+        assert "max_num_batched_tokens" in err["message"] and r.headers.get("retry-after") == "1"
+        still_serves(serve_app)
+        # a stream: its prompt (55 tokens) and three tokens went out, then the step of position 58 fails
+        ray.get(replica.__ray_call__.remote(_fail_next_step(decode_position=58)))
+        body = {"model": serve_app.model, "prompt": [12] * 55, "max_tokens": 20, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", url, json=body, headers=serve_app.headers, timeout=60) as s:
+            assert s.status_code == 200
+            events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "out_of_memory" and "ran out of GPU memory" in error["message"]
+        tokens = [json.loads(e) for e in events[:-2]]
+        assert tokens and all("choices" in t for t in tokens) and len(tokens) <= 4
+    finally:
+        ray.get(replica.__ray_call__.remote(_fail_next_step()))
+    still_serves(serve_app)
+    serve_app.wait_idle()
+    after = serve_app.engine_stats()[0]["counters"]
+    assert after["failed"] == before.get("failed", 0) + 2

@@ -135,7 +135,7 @@ def test_aborts_in_every_state_free_pages(make_llm):
 
 def test_kv_pool_sized_from_byte_budget(make_llm, tiny_ckpt):
     per_page = KVCache.bytes_per_page(load_config(tiny_ckpt))
-    llm = make_llm(kv_cache_bytes=per_page * 37 + per_page // 2)
+    llm = make_llm(kv_cache_bytes=per_page * 37 + per_page // 2, max_model_len=512)  # 37 pages hold 592 tokens
     assert llm.engine.num_pages == 37 and llm.engine.stats().num_pages_total == 37
     assert llm.engine.executor.info()["kv_bytes"] == 37 * per_page
 

@@ -347,9 +347,11 @@ def test_a_request_ended_by_its_first_token_after_its_header_went_ahead_is_withd
     assert_empty(prefill, decode)
 
 
-def test_a_step_that_fails_after_announcing_withdraws_and_keeps_the_pair(pair, monkeypatch):
-    """The forward raises (a device error) after the step announced a request: the payload still goes, as
-    withdrawn, so the pair stays in step; the decode side waits again; aborting on both sides leaves nothing."""
+def test_a_step_that_fails_after_announcing_fails_its_request_withdraws_and_keeps_the_pair(pair, monkeypatch):
+    """The forward raises (a device error) after the step announced a request: that request alone fails (its
+    output carries the error, its handoff is reported failed, its pages are freed at once) and the prefill
+    engine serves on; the payload still goes, as withdrawn, so the pair stays in step; the decode side waits
+    again until the router drops its reservation; the pair carries the next request."""
     prefill, decode = pair
     p = prompts()[4]
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -359,16 +361,21 @@ def test_a_step_that_fails_after_announcing_withdraws_and_keeps_the_pair(pair, m
         raise RuntimeError("device error")
 
     monkeypatch.setattr(prefill.executor, "execute", broken)
-    with pytest.raises(RuntimeError, match="device error"):
-        prefill.step()
+    (out,) = prefill.step()
     monkeypatch.undo()
+    assert out.request_id == "boom" and out.finished and out.outputs[0].finish_reason == "error"
+    assert "RuntimeError: device error" in str(out.error) and not out.error.out_of_memory
+    assert prefill.pop_transfer_outcomes() == [("boom", False, str(out.error))]
+    assert not prefill.scheduler.has_unfinished() and not prefill.hands_off("boom")
+    assert prefill.pages.num_free_pages == prefill.num_pages  # the withdrawn bytes count for nothing
     receiver = decode.agents[0].end
     deadline = time.monotonic() + 10
     while receiver.result("boom").state is not TransferState.PENDING or prefill._withdrawn:
         assert time.monotonic() < deadline, (receiver.result("boom"), prefill._withdrawn)
         prefill.poll_transfers()
         time.sleep(0.01)
-    assert prefill.abort_request("boom") and decode.abort_request("boom")
+    assert not prefill.abort_request("boom")  # gone already
+    assert decode.abort_request("boom")  # the router's part: the prefill answered with the error
     drive(prefill, decode, lambda s: not (prefill.has_unfinished() or decode.has_unfinished()))
     assert_empty(prefill, decode)
     submit(prefill, decode, "after-boom", p, sp)  # the pair carries the next one
