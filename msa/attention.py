@@ -11,10 +11,11 @@ from torch import nn
 
 from kernels.attention import dense_attention, sparse_attention
 from kernels.paged_kv import write_kv
+from kernels.rope import qk_norm_rope
 from msa.config import M3Config
 from msa.indexer import Indexer
 from msa.kv_cache import KVCache
-from msa.layers import RMSNorm, apply_rope
+from msa.layers import RMSNorm
 from msa.linear import QKVParallelLinear, RowParallelLinear
 from msa.metadata import AttentionMetadata
 from msa.parallel import ParallelContext
@@ -41,8 +42,8 @@ class M3Attention(nn.Module):
                 kv: KVCache) -> torch.Tensor:
         """h [T, H] (normed layer input) -> attention output [T, H] (after o_proj, reduced over tp)."""
         q, k, v = self.qkv_proj.split_qkv(self.qkv_proj(h))
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
+        q = qk_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        k = qk_norm_rope(k, self.k_norm.weight, self.k_norm.eps, cos, sin)
         layer = self.layer_idx
         k_cache, v_cache, idx_cache = kv.k[layer], kv.v[layer], kv.index_k[layer]
         q_idx = idx_k = None

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from kernels.index_topk import index_topk
+from kernels.rope import qk_norm_rope
 from msa.config import M3Config
-from msa.layers import RMSNorm, apply_rope
+from msa.layers import RMSNorm
 from msa.linear import KVHeadParallelLinear, ReplicatedLinear
 from msa.metadata import AttentionMetadata
 from msa.parallel import ParallelContext
@@ -32,9 +33,9 @@ class Indexer(nn.Module):
     def project(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, H] (the attention input) -> index q [T, Hi_local, Di], index k [T, Di]; both normed (own weights)
         and rotated with the same partial RoPE as the main q/k."""
-        q = self.q_norm(self.q_proj(h).view(h.shape[0], self.q_proj.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(h))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = self.q_proj(h).view(h.shape[0], self.q_proj.num_heads, self.head_dim)
+        return (qk_norm_rope(q, self.q_norm.weight, self.q_norm.eps, cos, sin),
+                qk_norm_rope(self.k_proj(h), self.k_norm.weight, self.k_norm.eps, cos, sin))
 
     def select(self, q_idx: torch.Tensor, index_k_cache: torch.Tensor, meta: AttentionMetadata, *,
                backend: str | None = None) -> torch.Tensor:
