@@ -240,7 +240,10 @@ def test_transfer_failures_free_both_sides(pair):
     submit(prefill, decode, "f1", p, sp)
     st = drive(prefill, decode, lambda s: "f1" in s["outcomes"])
     assert st["outcomes"]["f1"][0] is False and "peer_gone" in st["outcomes"]["f1"][1]
-    assert decode.abort_request("f1")
+    # the router aborts the decode side; if the decode engine saw the pair break first (its waits watch the
+    # header stream), it has failed the request itself already: either way the request ends there
+    if not decode.abort_request("f1"):
+        assert "f1" in st["failures"] or "f1" in dict(decode.pop_failures())
     assert prefill.agents[0].broken(D_GROUP)
     drive(prefill, decode, lambda s: not decode.has_unfinished())
     assert_empty(prefill, decode)
