@@ -16,13 +16,13 @@ import triton
 import triton.language as tl
 
 from kernels._triton import next_pow2, runnable, use_triton
+from kernels.rms_norm import rms_norm_ref
 
 
 def qk_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                      sin: torch.Tensor) -> torch.Tensor:
     """x [T, H, D] or [T, D]; weight [D]; cos/sin [T, rotary_dim] fp32 -> [same shape] in x's dtype."""
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).to(x.dtype)
+    y = rms_norm_ref(x, weight, eps)
     rd = cos.shape[-1]
     if x.dim() == 3:
         cos, sin = cos[:, None, :], sin[:, None, :]

@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.rms_norm import rms_norm as _rms_norm
 from msa.linear import new_param, replicated_loader
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm over the last dim: x * rsqrt(mean(x^2) + eps) * (1 + w), computed in fp32, cast back.
-    A stored weight of 0 is the identity scale."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+    A stored weight of 0 is the identity scale. One Triton launch on CUDA tensors (kernels/rms_norm.py), the
+    same math in torch elsewhere."""
+    return _rms_norm(x, weight, eps)
 
 
 class RMSNorm(nn.Module):
@@ -29,9 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        summed = x + residual
-        return rms_norm(summed, self.weight, self.eps), summed
+            return _rms_norm(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps, residual=residual)  # (normed, summed), one launch on CUDA
 
 
 class RotaryEmbedding(nn.Module):
