@@ -32,15 +32,19 @@ _BIG = tl.constexpr(1 << 30)  # "no block": sorts after every real block id (a c
 
 
 @triton.jit
-def _softmax_update(q, k, v, allowed, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr, MASK: tl.constexpr):
-    # one key tile k/v [BN, D] for the rows of q [M, D]: the online-softmax update (base 2); allowed [M, BN]
+def _tile_step(q, k_ptrs, v_ptrs, keys, pos, ok, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,
+               MASK: tl.constexpr):
+    # one key tile [BN] for the program's M rows: the online-softmax update. ok [M] (sparse: the row's token
+    # selected this block); keys [BN] absolute key positions; pos [M] row positions (-1: padding row).
+    k = tl.load(k_ptrs)
+    v = tl.load(v_ptrs)
     if DOT_FP32:
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
     qk = qk * qk_scale_log2
     if MASK:
-        qk = tl.where(allowed, qk, float("-inf"))
+        qk = tl.where((keys[None, :] <= pos[:, None]) & ok[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # a row that sees no key of this tile (yet) keeps m = -inf: shift by 0 then, never by -inf
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -52,123 +56,6 @@ def _softmax_update(q, k, v, allowed, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _tile_step(q, k_ptrs, v_ptrs, keys, pos, ok, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,
-               MASK: tl.constexpr):
-    # one key tile [BN] for the program's M rows. ok [M] (sparse: the row's token selected this block); keys [BN]
-    # absolute key positions; pos [M] row positions (-1: padding row)
-    allowed = (keys[None, :] <= pos[:, None]) & ok[:, None]
-    return _softmax_update(q, tl.load(k_ptrs), tl.load(v_ptrs), allowed, m_i, l_i, acc, qk_scale_log2, DOT_FP32,
-                           MASK)
-
-
-@triton.jit
-def _union_of_selections(bid_ptr, row0, row_end, kvh, bid_st_n, bid_st_h, BT: tl.constexpr,
-                         BLOCK_TOPK: tl.constexpr, TOPK: tl.constexpr):
-    # the BT tokens' selections [BT, K] (ascending, -1 tail -> BIG) and their union, ascending: an entry joins the
-    # union where no earlier token holds the same id (first occurrence), then ranks among the joiners.
-    # -> (sel, union ids [BT*K] (BIG where not a first occurrence), first, rank, count)
-    TK: tl.constexpr = BT * BLOCK_TOPK
-    t = tl.arange(0, BT)
-    kk = tl.arange(0, BLOCK_TOPK)
-    trow = row0 + t
-    sel = tl.load(bid_ptr + trow.to(tl.int64)[:, None] * bid_st_n + kvh * bid_st_h + kk[None, :],
-                  mask=(trow < row_end)[:, None] & (kk < TOPK)[None, :], other=-1)
-    sel = tl.where(sel >= 0, sel, _BIG)
-    flat = tl.reshape(sel, [TK])
-    tok_of = tl.arange(0, TK) // BLOCK_TOPK
-    same = (flat[:, None] == flat[None, :]) & (tok_of[None, :] < tok_of[:, None])
-    first = (tl.sum(same.to(tl.int32), axis=1) == 0) & (flat < _BIG)
-    uid = tl.where(first, flat, _BIG)
-    rank = tl.sum(((uid[None, :] < uid[:, None]) & first[None, :]).to(tl.int32), axis=1)
-    return sel, uid, first, rank, tl.sum(first.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _token_rows(q_ptr, pos_ptr, row, row_end, heads, hmask, d, q_st_n, q_st_h, DOT_FP32: tl.constexpr):
-    # one token's query rows [BG, D] (the KV group's heads) and its position per row (-1: no such token)
-    ok = row < row_end
-    q = tl.load(q_ptr + row.to(tl.int64) * q_st_n + heads[:, None] * q_st_h + d[None, :],
-                mask=hmask[:, None] & ok, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    p = tl.load(pos_ptr + row, mask=ok, other=-1).to(tl.int64)
-    return q, p + tl.zeros(heads.shape, tl.int64)
-
-
-@triton.jit
-def _token_store(o_ptr, row, row_end, heads, hmask, d, acc, l_i, o_st_n, o_st_h):
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + row.to(tl.int64) * o_st_n + heads[:, None] * o_st_h + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & (row < row_end))
-
-
-@triton.jit
-def _token_update(sel_hit, t: tl.constexpr, q, pos, k, v, keys, m_i, l_i, acc, qk_scale_log2,
-                  DOT_FP32: tl.constexpr):
-    # token slot t's state takes the tile only if the token selected its block (the dot is skipped otherwise)
-    slots = tl.arange(0, 4)
-    if tl.sum(tl.where(slots == t, sel_hit.to(tl.int32), 0), axis=0) > 0:
-        m_i, l_i, acc = _softmax_update(q, k, v, keys[None, :] <= pos[:, None], m_i, l_i, acc, qk_scale_log2,
-                                        DOT_FP32, True)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _sparse_per_token_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, qsl_ptr, pos_ptr, bid_ptr, o_ptr,
-                             q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
-                             bid_st_n, bid_st_h, o_st_n, o_st_h, qk_scale_log2, num_tiles,
-                             G: tl.constexpr, BG: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                             DOT_FP32: tl.constexpr):
-    # Sparse prefill with four tokens per program, each with its own softmax state: the program walks the union of
-    # the four selections and reads each K/V tile once, but a token's dot (M = its group's heads) runs only on the
-    # blocks that token selected, so no work is masked away (the shared-rows kernel above does ~2.5x the useful
-    # dots at 8k context)
-    tile = num_tiles - 1 - tl.program_id(0)
-    r = tl.program_id(1)
-    kvh = tl.program_id(2)
-    row_end = tl.load(qsl_ptr + r + 1)
-    row0 = tl.load(qsl_ptr + r) + tile * 4
-    if row0 >= row_end:
-        return
-    g = tl.arange(0, BG)
-    hmask = g < G
-    heads = kvh * G + g
-    d = tl.arange(0, D)
-    q0, p0 = _token_rows(q_ptr, pos_ptr, row0, row_end, heads, hmask, d, q_st_n, q_st_h, DOT_FP32)
-    q1, p1 = _token_rows(q_ptr, pos_ptr, row0 + 1, row_end, heads, hmask, d, q_st_n, q_st_h, DOT_FP32)
-    q2, p2 = _token_rows(q_ptr, pos_ptr, row0 + 2, row_end, heads, hmask, d, q_st_n, q_st_h, DOT_FP32)
-    q3, p3 = _token_rows(q_ptr, pos_ptr, row0 + 3, row_end, heads, hmask, d, q_st_n, q_st_h, DOT_FP32)
-    sel, uid, first, rank, count = _union_of_selections(bid_ptr, row0, row_end, kvh, bid_st_n, bid_st_h, 4,
-                                                        BLOCK_TOPK, TOPK)
-    m0 = tl.full([BG], float("-inf"), tl.float32)
-    m1, m2, m3 = m0, m0, m0
-    l0 = tl.zeros([BG], tl.float32)
-    l1, l2, l3 = l0, l0, l0
-    a0 = tl.zeros([BG, D], tl.float32)
-    a1, a2, a3 = a0, a0, a0
-    pt_row = pt_ptr + r.to(tl.int64) * pt_st_r
-    n = tl.arange(0, BLOCK_N)
-    SUB: tl.constexpr = PS // BLOCK_N
-    for u in range(0, count * SUB):
-        b = tl.sum(tl.where(first & (rank == u // SUB), uid, 0), axis=0)
-        hit = tl.sum((sel == b).to(tl.int32), axis=1) > 0  # [4]: which tokens selected block b
-        page = tl.load(pt_row + b).to(tl.int64)
-        off = (u % SUB) * BLOCK_N + n
-        keys = b.to(tl.int64) * PS + off
-        k = tl.load(kc_ptr + page * kc_st_p + off[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
-        v = tl.load(vc_ptr + page * vc_st_p + off[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
-        m0, l0, a0 = _token_update(hit, 0, q0, p0, k, v, keys, m0, l0, a0, qk_scale_log2, DOT_FP32)
-        m1, l1, a1 = _token_update(hit, 1, q1, p1, k, v, keys, m1, l1, a1, qk_scale_log2, DOT_FP32)
-        m2, l2, a2 = _token_update(hit, 2, q2, p2, k, v, keys, m2, l2, a2, qk_scale_log2, DOT_FP32)
-        m3, l3, a3 = _token_update(hit, 3, q3, p3, k, v, keys, m3, l3, a3, qk_scale_log2, DOT_FP32)
-    _token_store(o_ptr, row0, row_end, heads, hmask, d, a0, l0, o_st_n, o_st_h)
-    _token_store(o_ptr, row0 + 1, row_end, heads, hmask, d, a1, l1, o_st_n, o_st_h)
-    _token_store(o_ptr, row0 + 2, row_end, heads, hmask, d, a2, l2, o_st_n, o_st_h)
-    _token_store(o_ptr, row0 + 3, row_end, heads, hmask, d, a3, l3, o_st_n, o_st_h)
 
 
 @triton.jit
@@ -211,9 +98,23 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, qsl_ptr, pos_ptr, bid_pt
     acc = tl.zeros([BM, D], tl.float32)
     SUB: tl.constexpr = PS // BLOCK_N
     if SPARSE:
-        sel, uid, first, rank, count = _union_of_selections(bid_ptr, row0, row_end, kvh, bid_st_n, bid_st_h, BT,
-                                                            BLOCK_TOPK, TOPK)
+        # the BT tokens' selections [BT, K] (ascending, -1 tail) and their union, ascending: an entry joins the
+        # union where no earlier token holds the same id (first occurrence), then ranks among the joiners
+        TK: tl.constexpr = BT * BLOCK_TOPK
         t = tl.arange(0, BT)
+        kk = tl.arange(0, BLOCK_TOPK)
+        trow = row0 + t
+        sel = tl.load(bid_ptr + trow.to(tl.int64)[:, None] * bid_st_n + kvh * bid_st_h + kk[None, :],
+                      mask=(trow < row_end)[:, None] & (kk < TOPK)[None, :], other=-1)
+        sel = tl.where(sel >= 0, sel, _BIG)
+        flat = tl.reshape(sel, [TK])
+        e = tl.arange(0, TK)
+        tok_of = e // BLOCK_TOPK
+        same = (flat[:, None] == flat[None, :]) & (tok_of[None, :] < tok_of[:, None])
+        first = (tl.sum(same.to(tl.int32), axis=1) == 0) & (flat < _BIG)
+        uid = tl.where(first, flat, _BIG)
+        rank = tl.sum(((uid[None, :] < uid[:, None]) & first[None, :]).to(tl.int32), axis=1)
+        count = tl.sum(first.to(tl.int32), axis=0)
         tok = m // HG
         for u in range(0, count * SUB):
             j = u // SUB
@@ -255,8 +156,7 @@ def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, qsl_ptr, pos_ptr, bid_pt
 # 3 stages was best at 8k and within 1% at 32k; sparse: 4 tokens best at 8k context, 1 token at 32k).
 PREFILL_LAUNCH = {
     "dense": {"tokens": 8, "heads": "group", "block_n": 128, "num_warps": 8, "num_stages": 3},
-    "sparse": {"tokens": None, "heads": "group", "block_n": 64, "num_warps": 4, "num_stages": 3,
-               "per_token": False},
+    "sparse": {"tokens": None, "heads": "group", "block_n": 64, "num_warps": 4, "num_stages": 3},
 }
 
 
@@ -309,9 +209,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if sparse and (block_ids.dtype != torch.int32 or block_ids.stride(-1) != 1):
         raise ValueError("prefill attention: block_ids must be int32 with a unit last stride")
     opts = _launch_options("sparse" if sparse else "dense", group, launch)
-    if opts.pop("per_token", False):
-        return _launch_per_token(q, k_cache, v_cache, page_tables, query_start_loc, positions, scale, block_ids,
-                                 num_requests, max_len, out, opts)
     bt, hg = opts.pop("tokens"), opts.pop("heads")
     if bt is None:
         bt = sparse_tokens(page_tables.shape[1], block_ids.shape[-1])
@@ -334,28 +231,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         bid_st[0], bid_st[1], out.stride(0), out.stride(1), float(scale) * _LOG2E, num_tiles,
         G=group, HG=hg, BT=bt, D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(2, next_pow2(topk)),
         SPARSE=sparse, DOT_FP32=dot_fp32, **opts)
-    return out
-
-
-def _launch_per_token(q, k_cache, v_cache, page_tables, qsl, positions, scale, block_ids, num_requests, max_len,
-                      out, opts):
-    """The sparse kernel with a softmax state per token (`_sparse_per_token_kernel`, four tokens a program)."""
-    n, hq, d = q.shape
-    ps, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = hq // hkv
-    for key in ("tokens", "heads"):
-        opts.pop(key, None)
-    block_n = min(opts.pop("block_n"), ps)
-    dot_fp32 = torch.float32 in (q.dtype, k_cache.dtype)
-    topk = block_ids.shape[-1]
-    num_tiles = -(-max_len // 4)
-    runnable(_sparse_per_token_kernel, q.device)[(num_tiles, num_requests, hkv)](
-        q, k_cache, v_cache, page_tables, qsl, positions, block_ids, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
-        block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1), float(scale) * _LOG2E, num_tiles,
-        G=group, BG=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk,
-        BLOCK_TOPK=max(2, next_pow2(topk)), DOT_FP32=dot_fp32, **opts)
     return out
 
 

@@ -41,10 +41,8 @@ PEER = {(2048, 2048): (0.147, 0.701, 0.190), (2048, 8192): (0.190, 1.324, None),
         (8192, 8192): (0.235, 4.196, 1.836), (2048, 32768): (0.381, 1.315, None)}
 CASES = "2048:2048,2048:8192,8192:8192,2048:32768,8192:32768,2048:131072,8192:131072"
 
-SPARSE_SWEEP = ([dict(tokens=t, block_n=n, num_warps=w, num_stages=s) for t in (1, 4)
-                 for n, w, s in ((64, 4, 3), (128, 4, 2))]
-                + [dict(per_token=True, block_n=n, num_warps=w, num_stages=s)
-                   for n, w, s in ((64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (64, 4, 2), (32, 4, 3))])
+SPARSE_SWEEP = [dict(tokens=t, block_n=n, num_warps=w, num_stages=s) for t in (1, 2, 4, 8)
+                for n, w, s in ((64, 4, 3), (128, 4, 2), (128, 8, 3))]
 DENSE_SWEEP = [dict(tokens=t, heads=h, block_n=n, num_warps=w, num_stages=s)
                for t, h in ((8, 16), (16, 8), (128, 1))
                for n, w, s in ((128, 8, 3), (64, 4, 3), (128, 8, 4))]

@@ -54,8 +54,7 @@ def test_prefill_attention_gpu(paged_case, sparse):
         if sparse else None
     args = (q, case.k_cache, case.v_cache, case.page_tables)
     want = attention.paged_attention_ref(*args, case.row_seq, case.positions, D ** -0.5, sel)
-    launches = ([{"tokens": t, "block_n": n} for t in (1, 2, 4, 8) for n in (64, 128)]
-                + [{"per_token": True, "block_n": n, "num_warps": w} for n, w in ((64, 4), (128, 8))] if sparse else
+    launches = ([{"tokens": t, "block_n": n} for t in (1, 2, 4, 8) for n in (64, 128)] if sparse else
                 [{"tokens": 8, "heads": "group"}, {"tokens": 128, "heads": 1, "block_n": 128},
                  {"tokens": 64, "heads": 1, "block_n": 64, "num_warps": 8}, {"tokens": 16, "heads": 8}])
     for launch in launches:

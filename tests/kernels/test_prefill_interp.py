@@ -105,7 +105,7 @@ def test_dense_prefill_matches_ref(paged_case, dtype, launch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 4, 8, "per-token"])
+@pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_sparse_prefill_matches_ref(paged_case, dtype, tokens):
     # G = 8 query heads per KV head, so one token is already a 16-row tile (tokens = 1: the per-token kernel)
     case, qsl, max_len, q, _ = _prefill_case(paged_case, CHUNKS, dtype=dtype, seed=4, group=8)
@@ -114,9 +114,7 @@ def test_sparse_prefill_matches_ref(paged_case, dtype, tokens):
                                          case.positions, 0.25, sel)
     got = torch.full_like(q, float("nan"))
     prefill_attention(q, case.k_cache, case.v_cache, case.page_tables, qsl, case.positions, 0.25, sel,
-                      num_requests=len(CHUNKS), max_len=max_len, out=got,
-                      launch={"per_token": True, "block_n": 16} if tokens == "per-token" else
-                      {"tokens": tokens, "block_n": 16})
+                      num_requests=len(CHUNKS), max_len=max_len, out=got, launch={"tokens": tokens, "block_n": 16})
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert not got.isnan().any()
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -129,10 +127,9 @@ def test_sparse_prefill_with_wide_pages_and_sub_tiles(paged_case):
     assert (sel == -1).any() and (sel[:, :, 1] >= 0).any()
     want = attention.paged_attention_ref(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq,
                                          case.positions, 0.25, sel)
-    for per_token in (False, True):
-        got = prefill_attention(q, case.k_cache, case.v_cache, case.page_tables, qsl, case.positions, 0.25, sel,
-                                num_requests=2, max_len=max_len, launch={"block_n": 16, "per_token": per_token})
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    got = prefill_attention(q, case.k_cache, case.v_cache, case.page_tables, qsl, case.positions, 0.25, sel,
+                            num_requests=2, max_len=max_len, launch={"block_n": 16})
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("from_metadata", [True, False])
