@@ -254,6 +254,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     topk = block_ids.shape[-1] if sparse else 1
     launch = dict(ATTN_LAUNCH)
     block_n = min(launch.pop("block_n", ps), ps)
+    if torch.float32 in (q.dtype, k_cache.dtype):
+        # fp32 (parity runs): the bf16 tiles and stages would ask ~272 KB of shared memory at head_dim 128
+        block_n, launch["num_stages"] = min(block_n, 64), min(launch["num_stages"], 2)
     max_tiles = (topk if sparse else page_tables.shape[1]) * (ps // block_n)
     splits = num_splits or default_attn_splits(n, hkv, max_tiles, q.device, sparse=sparse)
     splits = max(1, min(splits, max_tiles))
