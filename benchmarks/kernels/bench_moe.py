@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # graph_timing.py, beside this script
-from graph_timing import graph_replay_ms  # noqa: E402
+from graph_timing import eager_event_ms, graph_replay_ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (bench_parallel)
 
@@ -70,22 +70,11 @@ def graph_ms(fn, replays: int = 20) -> float:
 
 
 def eager_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup if torch.cuda.is_available() else 0):
-        fn()
     if not torch.cuda.is_available():  # CPU smoke run: one timed call (the interpreter is slow)
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return eager_event_ms(fn, reps, warmup)
 
 
 def sync() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -31,7 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # graph_timing.py, beside this script
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: kernels/
+from graph_timing import eager_event_ms  # noqa: E402
 
 HQ, HKV, D, HI, DI, PS, TOPK = 64, 4, 128, 4, 128, 128, 16
 PEAK = 790e12  # bf16 dense matmul, measured (PERF.md)
@@ -71,17 +72,7 @@ def parse_args(argv=None):
 
 def event_ms(fn, reps: int) -> float:
     """Median ms of one eager call (CUDA events around each), after one warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return eager_event_ms(fn, reps, warmup=1)
 
 
 def make_case(t: int, ctx: int, seed: int = 0) -> dict:
