@@ -4,6 +4,7 @@ back by the end of each test."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -50,3 +51,35 @@ def make_llm(tiny_ckpt):
         assert st.num_pages_free == st.num_pages_total, f"leaked {st.num_pages_total - st.num_pages_free} pages"
         assert eng.pages.owners() == {}
         eng.shutdown()
+
+
+@pytest.fixture
+def make_async(tiny_ckpt):
+    """`make_async(**engine_config_fields)` -> AsyncEngine on the session checkpoint. At teardown every engine
+    made must come back to all pages free, nothing in flight, and its step thread must end."""
+    from workers.async_engine import AsyncEngine
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+
+    made = []
+
+    def factory(**kw):
+        ae = AsyncEngine(lambda: Engine(tiny_ckpt, engine_config=EngineConfig(**kw)))
+        made.append(ae)
+        return ae
+
+    yield factory
+    for ae in made:
+        try:
+            _wait_until(lambda: ae.stats().num_pages_free == ae.stats().num_pages_total and not ae.num_in_flight)
+            assert ae.engine.pages.owners() == {}
+        finally:
+            ae.shutdown()
+        assert not ae._thread.is_alive()
+
+
+def _wait_until(cond, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)

@@ -9,9 +9,7 @@ import time
 
 import pytest
 
-from workers.async_engine import AsyncEngine, QueueFullError
-from workers.config import EngineConfig
-from workers.engine import Engine
+from workers.async_engine import QueueFullError
 from workers.request import SamplingParams
 
 
@@ -22,25 +20,6 @@ def ids(n: int, seed: int = 0) -> list[int]:
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-@pytest.fixture
-def make_async(tiny_ckpt):
-    made = []
-
-    def factory(**kw):
-        ae = AsyncEngine(lambda: Engine(tiny_ckpt, engine_config=EngineConfig(**kw)))
-        made.append(ae)
-        return ae
-
-    yield factory
-    for ae in made:
-        try:
-            wait_until(lambda: ae.stats().num_pages_free == ae.stats().num_pages_total and not ae.num_in_flight)
-            assert ae.engine.pages.owners() == {}
-        finally:
-            ae.shutdown()
-        assert not ae._thread.is_alive()
 
 
 def wait_until(cond, timeout: float = 30.0) -> None:

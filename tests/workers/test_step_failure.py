@@ -10,8 +10,6 @@ import random
 import pytest
 import torch
 
-from workers.async_engine import AsyncEngine
-from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.request import SamplingParams, StepFailedError
 
@@ -127,20 +125,6 @@ def test_a_dead_executor_still_stops_the_engine(make_llm):
         engine.step()
     engine.executor = engine.executor.inner
     assert engine.abort_request("x")  # the fixture's check: nothing left behind
-
-
-@pytest.fixture
-def make_async(tiny_ckpt):
-    made = []
-
-    def factory(**kw):
-        ae = AsyncEngine(lambda: Engine(tiny_ckpt, engine_config=EngineConfig(**kw)))
-        made.append(ae)
-        return ae
-
-    yield factory
-    for ae in made:
-        ae.shutdown()
 
 
 def test_the_async_step_thread_survives_a_failed_step(make_async, make_llm):
