@@ -428,23 +428,30 @@ def _recover(bench: Bench) -> None:
         torch.cuda.empty_cache()
 
 
+def _warm_then_repeat(bench, lengths: list[int], row: dict, repeats: int, deadline: float) -> list[dict]:
+    """One warm-up run of `lengths` (kernels compile per shape), then up to `repeats` timed runs while the next
+    one fits before `deadline`. Writes warmup_ms, a warm-up failure ("error") or a budget note into `row`."""
+    warm = bench.run(lengths)
+    row["warmup_ms"] = 1e3 * warm["wall_s"]
+    if warm["failed"]:
+        row["error"] = "warm-up: " + "; ".join(sorted(set(warm["failed"])))
+    runs: list[dict] = []
+    while len(runs) < repeats and "error" not in row:
+        last = runs[-1]["wall_s"] if runs else warm["wall_s"]
+        if runs and time.perf_counter() + last > deadline:
+            row["note"] = f"budget: {len(runs)} of {repeats} repeats"
+            break
+        runs.append(bench.run(lengths))
+    return runs
+
+
 def ttft_length(bench: Bench, length: int, deadline: float) -> dict:
     args = bench.args
     row = {"length": length, "chunk": args.chunk, "goal_ms": TTFT_GOALS_MS.get(length),
            "planned_floor": bench.floor(planned_steps(length, args.chunk))}
     t0 = time.perf_counter()
     try:
-        warm = bench.run([length])
-        row["warmup_ms"] = 1e3 * warm["wall_s"]
-        if warm["failed"]:
-            row["error"] = "warm-up: " + "; ".join(warm["failed"])
-        runs = []
-        while len(runs) < args.repeats and "error" not in row:
-            last = runs[-1]["wall_s"] if runs else warm["wall_s"]
-            if runs and time.perf_counter() + last > deadline:
-                row["note"] = f"budget: {len(runs)} of {args.repeats} repeats"
-                break
-            runs.append(bench.run([length]))
+        runs = _warm_then_repeat(bench, [length], row, args.repeats, deadline)
     except Exception as e:  # noqa: BLE001 - one length failing must not end the benchmark
         row["error"] = _failure(e, f"length {length}")
     if "error" in row:  # outside the handler: the exception's frames (and their tensors) are gone by now
@@ -477,17 +484,7 @@ def throughput(bench: Bench, deadline: float) -> dict:
     n, length = args.tput_prompts, args.tput_len
     row = {"prompts": n, "prompt_len": length, "chunk": args.chunk, "goal_fraction": TPUT_GOAL}
     try:
-        warm = bench.run([length] * n)
-        row["warmup_ms"] = 1e3 * warm["wall_s"]
-        if warm["failed"]:
-            row["error"] = "warm-up: " + "; ".join(sorted(set(warm["failed"])))
-        runs = []
-        while len(runs) < args.repeats and "error" not in row:
-            last = runs[-1]["wall_s"] if runs else warm["wall_s"]
-            if runs and time.perf_counter() + last > deadline:
-                row["note"] = f"budget: {len(runs)} of {args.repeats} repeats"
-                break
-            runs.append(bench.run([length] * n))
+        runs = _warm_then_repeat(bench, [length] * n, row, args.repeats, deadline)
     except Exception as e:  # noqa: BLE001
         row["error"] = _failure(e, "throughput")
     if "error" in row:
