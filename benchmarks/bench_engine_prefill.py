@@ -18,8 +18,9 @@ Phases, each followed by a JSON write (--out, default $OUT):
   throughput  --tput-prompts (64) prompts of --tput-len (1024) tokens added together, stepped until every one
               has its first token (after one warm-up round); prompt tokens / wall, and the fraction of the FLOP
               ceiling that is (FLOP floor / wall).
-  profile     --profile LENGTH: one prompt under torch.profiler (CUDA activities) after a warm-up; the top 25
-              kernels by self device time printed and written to --out (bench_engine_prefill_profile.txt).
+  profile     --profile LENGTH: one prompt (--profile-prompts N: N added together) under torch.profiler (CUDA
+              activities) after a warm-up; the top 25 kernels by self device time printed and written to --out
+              (bench_engine_prefill_profile.txt).
 
 Floors (PERF.md), computed per engine step from the chunks the scheduler actually ran (recorded), then summed:
   flop  2 x active parameters per token (embedding excluded; attention, index and MLP projections, shared expert,
@@ -81,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "skip the phase)")
     p.add_argument("--tput-len", type=int, default=None, help="tokens per concurrent prompt (default 1024; tiny 40)")
     p.add_argument("--profile", type=int, default=0, metavar="LENGTH", help="profile one prompt of LENGTH tokens")
+    p.add_argument("--profile-prompts", type=int, default=1, metavar="N",
+                   help="profile N such prompts added together (8 x 1024: one throughput step)")
     p.add_argument("--attention-backend", choices=("auto", "ref", "triton"), default="auto")
     p.add_argument("--num-experts", type=int, default=None, help="override num_local_experts (default: the "
                    "preset's, 128 for m3-slice)")
@@ -514,16 +517,16 @@ def throughput(bench: Bench, deadline: float) -> dict:
     return row
 
 
-def profile(bench: Bench, length: int, out: str | None) -> dict:
+def profile(bench: Bench, length: int, out: str | None, prompts: int = 1) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    res = {"length": length, "chunk": bench.args.chunk}
+    res = {"length": length, "prompts": prompts, "chunk": bench.args.chunk}
     try:
-        bench.run([length])  # warm-up (compiles for this shape)
+        bench.run([length] * prompts)  # warm-up (compiles for this shape)
         acts = [ProfilerActivity.CUDA] if bench.cuda else [ProfilerActivity.CPU]
         with torch_profile(activities=acts) as prof:
-            run = bench.run([length])
+            run = bench.run([length] * prompts)
     except Exception as e:  # noqa: BLE001
         res["error"] = _failure(e, "profile")
     if "error" in res:
@@ -545,7 +548,7 @@ def profile(bench: Bench, length: int, out: str | None) -> dict:
     total = sum(self_us(e) for e in events)
     res["total_self_ms"] = total / 1e3
     res["top"] = [{"name": e.key, "self_ms": self_us(e) / 1e3, "calls": e.count} for e in events[:25]]
-    lines = [f"profile: one {length}-token prompt, chunk {bench.args.chunk}, TTFT {_f(res['ttft_ms'])} ms, "
+    lines = [f"profile: {prompts} x {length}-token prompt, chunk {bench.args.chunk}, TTFT {_f(res['ttft_ms'])} ms, "
              f"{run['num_steps']} steps; self {'device' if bench.cuda else 'CPU'} time {total / 1e3:.2f} ms total",
              f"{'self ms':>10} {'%':>6} {'calls':>6}  kernel"]
     for t in res["top"]:
@@ -663,8 +666,8 @@ def main(argv=None) -> int:
         save(doc, args.out)
     do_lengths(long_)
     if args.profile:
-        doc["profile"] = profile(bench, args.profile, args.out) if time.perf_counter() < deadline else \
-            {"length": args.profile, "skipped": "budget"}
+        doc["profile"] = (profile(bench, args.profile, args.out, args.profile_prompts)
+                          if time.perf_counter() < deadline else {"length": args.profile, "skipped": "budget"})
         save(doc, args.out)
     doc["total_s"] = time.perf_counter() - t_start
     save(doc, args.out)

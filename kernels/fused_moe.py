@@ -14,6 +14,9 @@ so the whole MoE can be captured in a CUDA graph at a fixed token count:
   2. `_gate_up_kernel`: grid (max_blocks, cdiv(I, BLOCK_N)). Program (b, n) finds its expert by counting the
      block prefix sums <= b (blocks past the last used one exit), gathers the block's token rows of x, runs
      gate and up tiles over H, applies SwiGLU-OAI in fp32 and stores act [pairs, I] in the input dtype.
+     At prefill sizes the weight tiles come through TMA descriptors (`_w_tile`) and an expert's last block,
+     when at most half full, runs as a half-height tile (on average half of one block per expert is padding:
+     a quarter of the rows at 256 pairs per expert).
   3. `_down_kernel`: grid (max_blocks, cdiv(H, BLOCK_N)): act rows @ w_down[e]^T, times the pair's routing
      weight, stored in fp32 at the pair's own row of y [T*k, H].
   4. `_combine_kernel`: out[t] = sum of the k rows y[t*k + j] whose expert is local, cast to the input dtype.
@@ -24,7 +27,7 @@ max_blocks is a bound computed from the shapes alone: sum_e cdiv(c_e, BM) <= (N 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -193,80 +196,126 @@ def _tile_of_program(num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
-                    H, I, x_st_t, w_st_e, w_st_n, act_st, alpha, limit, num_m, num_n,
-                    TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile_of_program(num_m, num_n, GROUP_M)
-    e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
-    if e >= E:
-        return
-    rows = tl.arange(0, BLOCK_M)
+def _w_tile(w, e, n0, k0, n_lim, K, w_st_e, w_st_n, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+            TMA: tl.constexpr):
+    """[BN, BK]: rows n0.. (valid below n_lim) and columns k0.. of expert e's weight [N, K]. TMA: w is a 3-d
+    descriptor over [E, N, K] with block [1, BN, BK], read by the tensor-copy engine (rows or columns past the
+    tensor read zero; rows past n_lim inside it are read and masked at the store); else w is a pointer."""
+    if TMA:
+        t = w.load([e, n0, k0]).reshape(BN, BK)
+    else:
+        n = n0 + tl.arange(0, BN)
+        kk = k0 + tl.arange(0, BK)
+        ptrs = w + e.to(tl.int64) * w_st_e + n[:, None].to(tl.int64) * w_st_n + kk[None, :]
+        mask = (n < n_lim)[:, None]
+        if not EVEN_K:
+            mask = mask & (kk < K)[None, :]
+        t = tl.load(ptrs, mask=mask, other=0.0)
+    return t
+
+
+@triton.jit
+def _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n, act_st,
+                   alpha, limit, TOP_K: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    # one block of BM sorted rows (nrows of them real) x BLOCK_N columns of both gate and up
+    rows = tl.arange(0, BM)
     rmask = rows < nrows
     pair = tl.load(sorted_ptr + row0 + rows, mask=rmask, other=0)
-    token = (pair // TOP_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < I
+    x_rows = x_ptr + (pair // TOP_K).to(tl.int64)[:, None] * x_st_t
+    n0 = pid_n * BLOCK_N
     ks = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + token[:, None] * x_st_t
-    w_gate = w_ptr + e.to(tl.int64) * w_st_e + cols[:, None].to(tl.int64) * w_st_n
-    w_up = w_gate + I * w_st_n
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + ks
         if EVEN_K:
             x = tl.load(x_rows + kk[None, :], mask=rmask[:, None], other=0.0)
-            wg = tl.load(w_gate + kk[None, :], mask=cmask[:, None], other=0.0)
-            wu = tl.load(w_up + kk[None, :], mask=cmask[:, None], other=0.0)
         else:
-            kmask = (kk < H)[None, :]
-            x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask, other=0.0)
-            wg = tl.load(w_gate + kk[None, :], mask=cmask[:, None] & kmask, other=0.0)
-            wu = tl.load(w_up + kk[None, :], mask=cmask[:, None] & kmask, other=0.0)
+            x = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & (kk < H)[None, :], other=0.0)
+        wg = _w_tile(w, e, n0, k0, I, H, w_st_e, w_st_n, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        wu = _w_tile(w, e, I + n0, k0, 2 * I, H, w_st_e, w_st_n, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=PRECISION)
     # SwiGLU-OAI in fp32: the gate is clamped above only, the up branch on both sides and shifted by +1
     g = tl.minimum(acc_g, limit)
     u = tl.minimum(tl.maximum(acc_u, -limit), limit)
     act = (u + 1.0) * (g * tl.sigmoid(g * alpha))
+    cols = n0 + tl.arange(0, BLOCK_N)
     dst = act_ptr + (row0 + rows)[:, None].to(tl.int64) * act_st + cols[None, :]
-    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < I)[None, :])
 
 
 @triton.jit
-def _down_kernel(act_ptr, w_ptr, y_ptr, weights_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
-                 H, I, act_st, w_st_e, w_st_n, y_st, num_m, num_n,
-                 E: tl.constexpr, E_PAD: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+def _gate_up_kernel(x_ptr, w, act_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
+                    H, I, x_st_t, w_st_e, w_st_n, act_st, alpha, limit, num_m, num_n,
+                    TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+                    HALF_TAIL: tl.constexpr):
     pid_m, pid_n = _tile_of_program(num_m, num_n, GROUP_M)
     e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
     if e >= E:
         return
-    rows = tl.arange(0, BLOCK_M)
+    if HALF_TAIL:
+        # an expert's last block is on average half full: run it as a half-height tile when it fits one
+        if nrows <= BLOCK_M // 2:
+            _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n,
+                           act_st, alpha, limit, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+        else:
+            _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n,
+                           act_st, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+    else:
+        _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n, act_st,
+                       alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+
+
+@triton.jit
+def _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e, w_st_n,
+                y_st, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                PRECISION: tl.constexpr, TMA: tl.constexpr):
+    rows = tl.arange(0, BM)
     rmask = rows < nrows
     pair = tl.load(sorted_ptr + row0 + rows, mask=rmask, other=0).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < H
+    n0 = pid_n * BLOCK_N
     ks = tl.arange(0, BLOCK_K)
     a_rows = act_ptr + (row0 + rows)[:, None].to(tl.int64) * act_st
-    w_rows = w_ptr + e.to(tl.int64) * w_st_e + cols[:, None].to(tl.int64) * w_st_n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BM, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         kk = k0 + ks
         if EVEN_K:
             a = tl.load(a_rows + kk[None, :], mask=rmask[:, None], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None], other=0.0)
         else:
-            kmask = (kk < I)[None, :]
-            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & kmask, other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=cmask[:, None] & kmask, other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+            a = tl.load(a_rows + kk[None, :], mask=rmask[:, None] & (kk < I)[None, :], other=0.0)
+        wt = _w_tile(w, e, n0, k0, H, I, w_st_e, w_st_n, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        acc = tl.dot(a, tl.trans(wt), acc, input_precision=PRECISION)
     weight = tl.load(weights_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    cols = n0 + tl.arange(0, BLOCK_N)
     tl.store(y_ptr + pair[:, None] * y_st + cols[None, :], acc * weight[:, None],
-             mask=rmask[:, None] & cmask[None, :])
+             mask=rmask[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
+                 H, I, act_st, w_st_e, w_st_n, y_st, num_m, num_n,
+                 E: tl.constexpr, E_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, TMA: tl.constexpr,
+                 HALF_TAIL: tl.constexpr):
+    pid_m, pid_n = _tile_of_program(num_m, num_n, GROUP_M)
+    e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
+    if e >= E:
+        return
+    if HALF_TAIL:
+        if nrows <= BLOCK_M // 2:
+            _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e,
+                        w_st_n, y_st, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+        else:
+            _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e,
+                        w_st_n, y_st, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+    else:
+        _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e, w_st_n,
+                    y_st, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
 
 
 @triton.jit
@@ -296,6 +345,8 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 0
+    tma: bool = False  # weight tiles through the tensor-copy engine (CUDA, 16-byte aligned strides), see _w_tile
+    half_tail: bool = False  # a block with at most block_m / 2 rows runs as a half-height tile
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,7 +363,8 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int, *,
     even one or four experts spreads over every SM. Prefill (many pairs per expert): 128-row blocks, 128-column
     tiles over 8 warps, and the grouped program order so row blocks are read once (H200, m3-slice routed experts,
     docs/benchmarks.md: T = 2,048 6.98 -> 4.42 ms, T = 8,192 13.65 -> 10.63 ms; the down GEMM's 256-wide tiles
-    over its 6144 columns gain ~5% at 8k)."""
+    over its 6144 columns gain ~5% at 8k); weight tiles through TMA and half-height tail blocks (run P4:
+    T = 8,192 9.55 -> 8.79 ms in one run, T = 2,048 unchanged at its weight-bytes floor)."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:
         return MoEConfig(block_m=16, gate_up=GemmTile(block_n=32, block_k=128, num_warps=4, num_stages=4),
@@ -323,14 +375,30 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int, *,
     if elem_bytes > 2:  # fp32 (parity runs): the bf16 stages would not fit in shared memory
         return MoEConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=32, num_warps=8, num_stages=2, group_m=1),
                          down=GemmTile(block_n=128, block_k=32, num_warps=8, num_stages=2, group_m=1))
-    return MoEConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1),
-                     down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=1))
+    return MoEConfig(block_m=128,
+                     gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=4, group_m=1, tma=True,
+                                      half_tail=True),
+                     down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3, group_m=1, tma=True,
+                                   half_tail=True))
 
 
 def _fit(tile: GemmTile, n: int, k: int) -> GemmTile:
     # small test shapes: no tile wider than the (power-of-two rounded) dimension, never under 16 (tl.dot)
-    return GemmTile(block_n=max(16, min(tile.block_n, next_pow2(n))), block_k=max(16, min(tile.block_k, next_pow2(k))),
-                    num_warps=tile.num_warps, num_stages=tile.num_stages, group_m=tile.group_m)
+    return replace(tile, block_n=max(16, min(tile.block_n, next_pow2(n))),
+                   block_k=max(16, min(tile.block_k, next_pow2(k))))
+
+
+def _weights_operand(w: torch.Tensor, tile: GemmTile):
+    """What the GEMM kernels take as weights: a [1, block_n, block_k] TMA descriptor over [E, N, K] when the tile
+    asks for one and the copy engine can address w (16-byte aligned base and strides), else the tensor itself."""
+    es = w.element_size()
+    ok = (tile.tma and w.stride(2) == 1 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
+          and (w.stride(1) * es) % 16 == 0 and tile.block_k * es >= 16)
+    if not ok:
+        return w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, tile.block_n, tile.block_k]), True
 
 
 def _grid(num_m: int, num_n: int, tile: GemmTile) -> tuple[int, ...]:
@@ -414,13 +482,14 @@ def launch_gate_up(x: torch.Tensor, w_gate_up: torch.Tensor, align: Alignment, t
         act = _empty((n, inter), x.dtype, x.device)
     tile = _fit(tile, inter, h)
     num_m, num_n = max_blocks(n, e, align.block_m), triton.cdiv(inter, tile.block_n)
+    w, tma = _weights_operand(w_gate_up, tile)
     runnable(_gate_up_kernel, x.device)[_grid(num_m, num_n, tile)](
-        x, w_gate_up, act, align.sorted_pairs, align.counts, align.row_start, align.block_end,
+        x, w, act, align.sorted_pairs, align.counts, align.row_start, align.block_end,
         h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), act.stride(0), float(alpha), float(limit),
         num_m, num_n,
         TOP_K=top_k, E=e, E_PAD=next_pow2(e), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype), GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        EVEN_K=h % tile.block_k == 0, PRECISION=_precision(x.dtype), GROUP_M=tile.group_m, TMA=tma,
+        HALF_TAIL=tile.half_tail and align.block_m >= 32, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return act
 
 
@@ -433,12 +502,13 @@ def launch_down(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Ten
         y = _empty((n, h), torch.float32, act.device)
     tile = _fit(tile, h, inter)
     num_m, num_n = max_blocks(n, e, align.block_m), triton.cdiv(h, tile.block_n)
+    w, tma = _weights_operand(w_down, tile)
     runnable(_down_kernel, act.device)[_grid(num_m, num_n, tile)](
-        act, w_down, y, topk_weights, align.sorted_pairs, align.counts, align.row_start, align.block_end,
+        act, w, y, topk_weights, align.sorted_pairs, align.counts, align.row_start, align.block_end,
         h, inter, act.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), num_m, num_n,
         E=e, E_PAD=next_pow2(e), BLOCK_M=align.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype), GROUP_M=tile.group_m,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        EVEN_K=inter % tile.block_k == 0, PRECISION=_precision(act.dtype), GROUP_M=tile.group_m, TMA=tma,
+        HALF_TAIL=tile.half_tail and align.block_m >= 32, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return y
 
 

@@ -222,11 +222,15 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
     return rows
 
 
-# (block_m, gate_up (block_n, block_k, warps, stages, group_m), down (same)); None: the default's tile
-MOE_TILES = [(128, (128, 64, 8, 4, 1), (256, 64, 8, 3, 1)), (128, (128, 64, 8, 4, 1), (128, 128, 8, 3, 1)),
-             (128, (128, 64, 8, 3, 1), (128, 64, 8, 3, 1)), (128, (128, 64, 8, 4, 2), (128, 64, 8, 4, 2)),
-             (128, (64, 64, 4, 4, 1), (128, 64, 8, 4, 1)), (128, (128, 32, 8, 5, 1), (128, 64, 8, 4, 1)),
-             (64, (128, 64, 8, 4, 1), (128, 64, 8, 4, 1))]
+# (block_m, gate_up (block_n, block_k, warps, stages, group_m, tma, half_tail), down (same))
+_GU, _DN = (128, 64, 8, 4, 1), (256, 64, 8, 3, 1)
+MOE_TILES = [(128, _GU + (False, False), _DN + (False, False)),  # 9659e99's default
+             (128, _GU + (True, False), _DN + (True, False)), (128, _GU + (False, True), _DN + (False, True)),
+             (128, _GU + (True, True), _DN + (True, True)), (128, (128, 64, 8, 3, 1, True, True), _DN + (True, True)),
+             (128, _GU + (True, True), (128, 64, 8, 4, 1, True, True)),
+             (128, (128, 64, 8, 4, 2, True, True), (256, 64, 8, 3, 2, True, True)),
+             (128, (128, 128, 8, 2, 1, True, True), _DN + (True, True)),
+             (64, _GU + (True, False), _DN + (True, False)), (64, (128, 64, 4, 4, 1, True, False), _DN + (True, False))]
 
 
 def moe_phase(args, deadline: float) -> list[dict]:
@@ -248,6 +252,7 @@ def moe_phase(args, deadline: float) -> list[dict]:
         default = fm.default_config(t * k, e, h, inter)
         row["fused_default"] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0),
                                         args.reps)
+        want = fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0).float()
         row["default_config"] = repr(default)
         for bm, gu, dn in MOE_TILES:
             if time.monotonic() > deadline:
@@ -255,13 +260,16 @@ def moe_phase(args, deadline: float) -> list[dict]:
                 break
 
             def tile(o):
-                return fm.GemmTile(block_n=o[0], block_k=o[1], num_warps=o[2], num_stages=o[3], group_m=o[4])
+                return fm.GemmTile(block_n=o[0], block_k=o[1], num_warps=o[2], num_stages=o[3], group_m=o[4],
+                                   tma=o[5], half_tail=o[6])
 
             cfg = fm.MoEConfig(block_m=bm, gate_up=tile(gu), down=tile(dn))
             key = f"bm{bm} gu{gu} dn{dn}"
             try:
                 row[key] = event_ms(lambda: fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0,
                                                          config=cfg), args.reps)
+                got = fm.fused_moe(x, ids, wts, w_gu, w_dn, alpha=1.702, limit=7.0, config=cfg).float()
+                row[key + " rel_err_vs_default"] = ((got - want).norm() / want.norm()).item()
             except Exception as exc:  # noqa: BLE001
                 row[key] = f"failed: {type(exc).__name__}"
         if hasattr(torch, "_grouped_mm"):
@@ -329,9 +337,11 @@ def print_tables(result) -> None:
         print(f"sweep T={s['T']} ctx={s['ctx']}: " + "; ".join(f"{k} {s.get('best_' + k)}"
                                                               for k in ("index", "sparse", "dense")))
     for m in result.get("moe", []):
-        best = _best({k: v for k, v in m.items() if k.startswith("bm")})
-        print(f"moe T={m['T']}: fused default {_f(m['fused_default'])} ms, best {best}, grouped_mm "
+        tiles = {k: v for k, v in m.items() if k.startswith("bm") and "rel_err" not in k}
+        print(f"moe T={m['T']}: fused default {_f(m['fused_default'])} ms, best {_best(tiles)}, grouped_mm "
               f"{_f(m.get('grouped_mm'))}, floors flop {_f(m['flop_floor'])} bytes {_f(m['byte_floor'])}")
+        for k, v in tiles.items():
+            print(f"  {_f(v)} ms  rel.err {_f(m.get(k + ' rel_err_vs_default'))}  {k}")
     if "check" in result:
         print("check", result["check"])
 

@@ -23,6 +23,11 @@ TINY = fm.MoEConfig(block_m=16, gate_up=fm.GemmTile(block_n=16, block_k=16), dow
 # the grouped program order (prefill): groups of 3 row blocks, so the last group is partial
 TINY_GROUPED = fm.MoEConfig(block_m=16, gate_up=fm.GemmTile(block_n=16, block_k=16, group_m=3),
                             down=fm.GemmTile(block_n=16, block_k=16, group_m=2))
+# the prefill variants: weight tiles through TMA descriptors (K tails read zero past H and I) and half-height tiles
+# for an expert's last block (32-row blocks: experts with <= 16 rows take the 16-row tile)
+TINY_TMA_TAIL = fm.MoEConfig(block_m=32,
+                             gate_up=fm.GemmTile(block_n=16, block_k=32, group_m=2, tma=True, half_tail=True),
+                             down=fm.GemmTile(block_n=16, block_k=16, tma=True, half_tail=True))
 
 
 def _routing(t: int, k: int, num_ids: int, gen: torch.Generator, *, skew: int | None = None,
@@ -93,7 +98,7 @@ def test_align_sorts_pairs_by_expert_stably_with_empty_single_and_foreign_expert
 @on_cpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("case", ["one_token", "uneven", "foreign_experts", "tokens_without_local_experts"])
-@pytest.mark.parametrize("config", [TINY, TINY_GROUPED], ids=["m-fastest", "grouped"])
+@pytest.mark.parametrize("config", [TINY, TINY_GROUPED, TINY_TMA_TAIL], ids=["m-fastest", "grouped", "tma-half-tail"])
 def test_fused_moe_matches_ref(case, dtype, tol, config, nan_poison, poisoned_workspace):
     poison_, assert_all_written = nan_poison
     gen = torch.Generator().manual_seed(sum(map(ord, case)))
@@ -256,7 +261,7 @@ def _gpu_routing(t: int, gen: torch.Generator, *, experts: int = E, skew: bool =
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,skew,start,local", [(1, False, 0, E), (16, False, 0, E), (256, False, 0, E),
                                                  (64, True, 0, E), (200, False, 64, 64), (2048, False, 0, E),
-                                                 (4096, False, 0, E)])
+                                                 (4096, False, 0, E), (4096, False, 64, 64), (8192, True, 0, E)])
 def test_fused_moe_gpu_real_shapes(real_weights, nan_poison, t, skew, start, local):
     poison_, assert_all_written = nan_poison
     w_gu, w_d = real_weights
