@@ -359,6 +359,7 @@ class Bench:
         eng.pop_step_stats()
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            before = _alloc_counters()
         first: dict[str, float] = {}
         failed: dict[str, str] = {}
         t0 = time.perf_counter()
@@ -393,6 +394,8 @@ class Bench:
                "host_s": sum(s.host_overhead for s in stats)}
         if self.cuda:
             res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            # cudaMalloc / cudaFree inside a step synchronise the device and expose every later launch
+            res["allocator"] = {k: v - before[k] for k, v in _alloc_counters().items()}
         return res
 
     def floor(self, steps) -> dict:
@@ -400,6 +403,11 @@ class Bench:
 
 
 _OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+def _alloc_counters() -> dict[str, int]:
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
 
 
 def _oom(e: BaseException) -> bool:
@@ -474,6 +482,7 @@ def ttft_length(bench: Bench, length: int, deadline: float) -> dict:
         row["chunks"] = [[n for _, n, _ in s] for s in best["steps"]]
         row["forward_ms"] = 1e3 * best["forward_s"]
         row["host_ms"] = 1e3 * best["host_s"]
+        row["allocator"] = best.get("allocator")
         if "peak_alloc_gib" in best:
             row["peak_alloc_gib"] = max(r["peak_alloc_gib"] for r in ok)
         row["floor"] = bench.floor(best["steps"])
@@ -509,6 +518,7 @@ def throughput(bench: Bench, deadline: float) -> dict:
     row["ttft_ms_p50"] = 1e3 * statistics.median(t for t in med["ttft_s"] if t is not None)
     row["forward_ms"] = 1e3 * med["forward_s"]
     row["host_ms"] = 1e3 * med["host_s"]
+    row["allocator"] = med.get("allocator")
     if "peak_alloc_gib" in med:
         row["peak_alloc_gib"] = med["peak_alloc_gib"]
     row["floor"] = bench.floor(med["steps"])
@@ -524,7 +534,7 @@ def profile(bench: Bench, length: int, out: str | None, prompts: int = 1) -> dic
     res = {"length": length, "prompts": prompts, "chunk": bench.args.chunk}
     try:
         bench.run([length] * prompts)  # warm-up (compiles for this shape)
-        acts = [ProfilerActivity.CUDA] if bench.cuda else [ProfilerActivity.CPU]
+        acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if bench.cuda else [ProfilerActivity.CPU]
         with torch_profile(activities=acts) as prof:
             run = bench.run([length] * prompts)
     except Exception as e:  # noqa: BLE001
@@ -548,12 +558,19 @@ def profile(bench: Bench, length: int, out: str | None, prompts: int = 1) -> dic
     total = sum(self_us(e) for e in events)
     res["total_self_ms"] = total / 1e3
     res["top"] = [{"name": e.key, "self_ms": self_us(e) / 1e3, "calls": e.count} for e in events[:25]]
-    lines = [f"profile: {prompts} x {length}-token prompt, chunk {bench.args.chunk}, TTFT {_f(res['ttft_ms'])} ms, "
+    what = f"one {length}-token prompt" if prompts == 1 else f"{prompts} x {length}-token prompts"
+    lines = [f"profile: {what}, chunk {bench.args.chunk}, TTFT {_f(res['ttft_ms'])} ms, "
              f"{run['num_steps']} steps; self {'device' if bench.cuda else 'CPU'} time {total / 1e3:.2f} ms total",
              f"{'self ms':>10} {'%':>6} {'calls':>6}  kernel"]
     for t in res["top"]:
         lines.append(f"{t['self_ms']:10.3f} {100 * t['self_ms'] / max(total / 1e3, 1e-9):6.1f} {t['calls']:6d}  "
                      f"{t['name'][:140]}")
+    if bench.cuda:  # host side: launches, allocations and synchronisations (the gaps between kernels)
+        host = sorted((e for e in prof.key_averages() if e.key.startswith("cuda")),
+                      key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+        res["runtime"] = [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in host]
+        lines.append(f"{'cpu ms':>10} {'':>6} {'calls':>6}  CUDA runtime call")
+        lines += [f"{e['self_cpu_ms']:10.3f} {'':>6} {e['calls']:6d}  {e['name'][:100]}" for e in res["runtime"]]
     text = "\n".join(lines)
     print(text, flush=True)
     if out:

@@ -25,7 +25,7 @@ import torch
 
 from msa.config import M3Config, load_config
 from msa.kv_cache import KVCache
-from msa.metadata import build_metadata
+from msa.metadata import build_metadata, host_tensor
 from msa.model import load_model
 from msa.parallel import ParallelContext
 from workers.batch import StepBatch, logits_row_of_chunk
@@ -204,7 +204,7 @@ class ModelRunner:
         """The step's forward run eagerly -> (logits [sampled rows + prompt-logprob targets, vocab] fp32 or None,
         the first logits row of each prompt-logprob chunk)."""
         meta = batch.to_metadata(self.page_size, self.device)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        input_ids = host_tensor(batch.input_ids, torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, meta, self.kv)
         first, last = logits_row_of_chunk(batch.chunks)
         # Only the sampling chunks (and prompt-logprob chunks) need the LM head, not every chunk's last token.
