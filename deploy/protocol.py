@@ -387,8 +387,3 @@ def param_of(message: str) -> str | None:
     if sep and head and " " not in head.strip():
         return head.strip()
     return None
-
-
-def as_dict(obj: Any) -> Any:
-    """pydantic model -> JSON-able dict (for JSONResponse)."""
-    return obj.model_dump(mode="json") if isinstance(obj, BaseModel) else obj

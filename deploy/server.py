@@ -243,7 +243,7 @@ class EngineServer:
         try:
             from workers.async_engine import AsyncEngine
             from workers.engine import Engine
-            from workers.group import GroupOptions
+            from workers.executor.ray_group import GroupOptions
 
             model_dir = Path(self._model_dir)
             if not model_dir.is_dir() and self._config.model is None:

@@ -1,4 +1,4 @@
-"""DESIGN.md §1 import direction, enforced by import-linter with the contracts in pyproject.toml.
+"""DESIGN.md §1 and §8 import direction, enforced by import-linter with the contracts in pyproject.toml.
 
 The real tree must pass; fixture trees with one forbidden import each must fail, naming the broken contract, so
 the check is shown to bite (a linter that never fails would pass the first test too).
@@ -19,13 +19,22 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 LAYERS = "Layers go one way: deploy -> workers -> msa -> kernels"
 DEPLOY_PAST_WORKERS = "deploy never reaches past workers"
 NO_FRAMEWORKS = "model and kernels stay free of serving frameworks"
+EXECUTORS_BELOW_ENGINE = "executors and shards never reach up to the engine"
+CONTRACTS = (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS, EXECUTORS_BELOW_ENGINE)
 
 # A minimal tree that respects every contract: deploy -> workers -> msa -> kernels, externals only where allowed.
 CLEAN_TREE = {
     "deploy/__init__.py": "",
     "deploy/app.py": "import ray\nimport fastapi\nfrom workers import engine\n",
     "workers/__init__.py": "",
-    "workers/engine.py": "import yaml\nfrom msa import model\n",
+    "workers/engine.py": "import yaml\nfrom msa import model\nfrom workers import executor\n",
+    "workers/dp.py": "from workers import engine\n",
+    "workers/async_engine.py": "from workers import engine\n",
+    "workers/llm.py": "from workers import engine\n",
+    "workers/executor/__init__.py": "from workers import shard\n",
+    "workers/kv/__init__.py": "",
+    "workers/shard.py": "from workers import runner\n",
+    "workers/runner.py": "from msa import model\n",
     "msa/__init__.py": "",
     "msa/model.py": "import torch\nfrom kernels import ops\n",
     "kernels/__init__.py": "",
@@ -49,14 +58,14 @@ def make_tree(root: Path, extra: dict[str, str]) -> Path:
 
 
 def broken_contracts(output: str) -> set[str]:
-    return {name for name in (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS) if f"{name} BROKEN" in output}
+    return {name for name in CONTRACTS if f"{name} BROKEN" in output}
 
 
 def test_real_tree_keeps_every_contract():
     res = subprocess.run([str(LINT_IMPORTS), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    for name in (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS):
+    for name in CONTRACTS:
         assert f"{name} KEPT" in res.stdout
 
 
@@ -64,7 +73,7 @@ def test_clean_fixture_tree_passes(tmp_path):
     # The control for the cases below: the fixture tree itself (not the installed project) is what gets linted.
     res = lint(make_tree(tmp_path, {}))
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "Contracts: 3 kept, 0 broken." in res.stdout
+    assert f"Contracts: {len(CONTRACTS)} kept, 0 broken." in res.stdout
 
 
 @pytest.mark.parametrize("case,extra,contract", [
@@ -76,6 +85,9 @@ def test_clean_fixture_tree_passes(tmp_path):
     ("deploy imports kernels", {"deploy/cli.py": "import kernels.ops\n"}, DEPLOY_PAST_WORKERS),
     ("msa imports workers", {"msa/model.py": "from kernels import ops\nimport workers.engine\n"}, LAYERS),
     ("kernels imports msa lazily", {"kernels/ops.py": "def f():\n    from msa import model\n"}, LAYERS),
+    ("an executor imports the engine lazily", {"workers/executor/__init__.py": "def f():\n    from workers import engine\n"},
+     EXECUTORS_BELOW_ENGINE),
+    ("the shard imports dp", {"workers/shard.py": "from workers import runner, dp\n"}, EXECUTORS_BELOW_ENGINE),
 ])
 def test_forbidden_import_fails_and_names_the_contract(tmp_path, case, extra, contract):
     res = lint(make_tree(tmp_path, extra))

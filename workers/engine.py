@@ -29,76 +29,21 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
 
 from msa.config import load_config
 from workers.batch import StepBatch, build_step_batch
 from workers.config import EngineConfig, ParallelConfig, Role
+from workers.executor import ExecutorDeadError, ExecutorKind, make_executor
 from workers.memory import step_failure
 from workers.pages import PageManager
 from workers.request import CompletionOutput, RequestOutput, SamplingParams
-from workers.runner import StepResult
 from workers.scheduler import Request, Scheduler, Sequence as Seq
 from workers.stats import EngineStats, RequestStats, StepStats
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, stop_holdback
 from workers.stats import TransferStats
 from workers.transfer import TransferAgent, TransferConfig, TransferResult, TransferState
 
-ExecutorKind = Literal["auto", "local", "ray"]
 logger = logging.getLogger("m3serve.engine")
-
-
-class ExecutorDeadError(RuntimeError):
-    """The executor can run no more steps (a worker group lost a rank, a shard actor died): the engine stops,
-    where any other error of a step fails only that step's requests."""
-
-
-class Executor(Protocol):
-    """Runs steps on the instance's shard(s)."""
-
-    def info(self) -> dict: ...
-
-    def execute(self, batch: StepBatch) -> StepResult: ...
-
-    def shutdown(self) -> None: ...
-
-
-class LocalExecutor:
-    """One shard in this process (tp = ep = dp = 1): no RPC on the step path."""
-
-    def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, device: str) -> None:
-        from workers.runner import ModelRunner
-
-        self.runner = ModelRunner(model_dir, engine_config=engine_config, device=device)
-
-    def info(self) -> dict:
-        return self.runner.info()
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        return self.runner.execute(batch)
-
-    def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list[TransferAgent]:
-        """The disaggregation end of each shard (one here), in shard (tp rank) order."""
-        return [TransferAgent(self.runner.kv, role=role, num_kv_heads=num_kv_heads, config=config)]
-
-    def shutdown(self) -> None:
-        self.runner = None
-
-
-def make_executor(kind: ExecutorKind, model_dir, *, engine_config: EngineConfig, parallel: ParallelConfig,
-                  device: str) -> Executor:
-    if parallel.world_size > 1 or not isinstance(kind, str):
-        # a worker group of tp * dp shards, an executor given ready-made, or a group's placement options
-        from workers.group import make_group_executor
-
-        return make_group_executor(kind, model_dir, engine_config=engine_config, parallel=parallel, device=device)
-    if kind in ("auto", "local"):
-        return LocalExecutor(model_dir, engine_config=engine_config, device=device)
-    if kind == "ray":
-        from workers.shard import RayExecutor
-
-        return RayExecutor(model_dir, engine_config=engine_config, device=device)
-    raise ValueError(f"executor: unknown kind {kind!r} (auto | local | ray)")
 
 
 @dataclass(eq=False)
@@ -176,9 +121,9 @@ def role_engine_config(config: EngineConfig, role: str) -> EngineConfig:
 
 class Engine:
     def __new__(cls, *args, parallel: ParallelConfig = ParallelConfig(), **kwargs):
-        # dp > 1 (attention data parallel): one engine core per dp rank over one worker group (workers/group.py)
+        # dp > 1 (attention data parallel): one engine core per dp rank over one worker group (workers/dp.py)
         if cls is Engine and parallel.dp > 1:
-            from workers.group import DPEngine
+            from workers.dp import DPEngine
 
             return super().__new__(DPEngine)
         return super().__new__(cls)

@@ -63,10 +63,6 @@ class PrefixHit:
         return len(self.page_ids) * self.page_size
 
 
-class OutOfPages(RuntimeError):
-    """Raised by `allocate(..., strict=True)` when the pool cannot supply the pages."""
-
-
 class PageManager:
     """Owns the page ids of a pool of `num_pages` pages. Not thread-safe: the engine's step thread drives it."""
 

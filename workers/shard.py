@@ -1,9 +1,7 @@
 """`ShardWorker`: the Ray actor that owns one device and runs one shard's `ModelRunner`.
 
-`RayExecutor` is the engine side of a one-shard group: it places the actor (a GPU when the device is CUDA, else
-one CPU), waits until the model and KV pool are up, and forwards each step. A step costs one actor round trip
-(about 1 ms on the GPU machine), which is why the engine runs a lone shard in-process by default; the actor path
-is what multi-shard groups build on (`workers.group.WorkerGroup`).
+The engine reaches it through an executor (workers/executor/): `RayExecutor` for a lone shard actor,
+`WorkerGroup` for the tp * dp shards of a group.
 
 A shard of a multi-rank group starts in two calls, because its peers must exist before any of them can join
 the process group: rank 0 opens the rendezvous store on a free port of its own node (`open_rendezvous`), then
@@ -15,7 +13,6 @@ import os
 import pickle
 import socket
 from datetime import timedelta
-from pathlib import Path
 
 import ray
 
@@ -117,7 +114,7 @@ class ShardWorker:
         return "ok"
 
     # ---- KV transfer (disaggregation): this shard's TransferAgent -----------------------------------------
-    # The pages live in this process, so the agent does too; `workers.group.GroupTransferAgent` fans the
+    # The pages live in this process, so the agent does too; `workers.kv.group_agent.GroupTransferAgent` fans the
     # engine's calls out to every shard of a tp group. A send is called after the step that wrote its pages
     # returned on every rank. These calls run on the actor's own thread, next to a compiled step graph's.
     def kv_init(self, role: str, num_kv_heads: int, config) -> dict:
@@ -204,42 +201,3 @@ def _gloo_on_loopback(host: str) -> None:
     names = [name for _i, name in socket.if_nameindex()]
     if "lo" in names:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-
-
-class RayExecutor:
-    """Runs the engine's steps on one `ShardWorker` actor."""
-
-    def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, device: str = "cpu",
-                 actor_options: dict | None = None) -> None:
-        if not ray.is_initialized():
-            raise RuntimeError("executor: 'ray' needs ray.init() first")
-        opts = {"num_gpus": 1, "num_cpus": 1} if device.startswith("cuda") else {"num_cpus": 1}
-        opts.update(actor_options or {})
-        # The actor sees its own GPU as cuda:0 (Ray sets CUDA_VISIBLE_DEVICES).
-        actor_device = "cuda" if device.startswith("cuda") else device
-        self.actor = ray.remote(ShardWorker).options(**opts).remote(str(model_dir), engine_config, actor_device)
-        self._info = ray.get(self.actor.info.remote())  # surfaces a failed start here, with its traceback
-
-    def info(self) -> dict:
-        return self._info
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        """The shard's step; its own error (out of memory...) comes back as Ray's task error wrapping it (the
-        engine fails that step's requests), a dead actor as `ExecutorDeadError` (the engine stops)."""
-        from workers.engine import ExecutorDeadError
-
-        try:
-            return ray.get(self.actor.execute.remote(batch))
-        except ray.exceptions.RayActorError as e:
-            raise ExecutorDeadError(f"the shard actor died: {e}") from e
-
-    def transfer_agents(self, role: str, num_kv_heads: int, config) -> list:
-        """The disaggregation end of the lone shard, hosted in its actor."""
-        from workers.group import GroupTransferAgent
-
-        return [GroupTransferAgent([self.actor], role=role, num_kv_heads=num_kv_heads, config=config)]
-
-    def shutdown(self) -> None:
-        if self.actor is not None:
-            ray.kill(self.actor)
-            self.actor = None

@@ -1494,7 +1494,7 @@ class FaultyChannel:
 class TransferAgent:
     """One shard's end of disaggregation: its pairs to the shards of remote groups and its per-request sends
     or receives. Every argument and result is a plain value, so a `ShardWorker` actor can host it and forward
-    the calls unchanged (`workers.group.GroupTransferAgent` is the engine's side of that); the engine calls one
+    the calls unchanged (`workers.kv.group_agent.GroupTransferAgent` is the engine's side of that); the engine calls one
     agent per shard with the same page ids (a group's shards share page ids).
 
     role "prefill" holds a `KVSender`, "decode" a `KVReceiver`. Pairs are grouped by the remote group's name

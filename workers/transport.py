@@ -304,10 +304,6 @@ class PairChannel:
             self.wait_work(work, deadline, "pair warm-up")
         torch.cuda.synchronize(self.device)
 
-    @property
-    def is_open(self) -> bool:
-        return self._pg is not None
-
     # ---- control plane (the header stream) -----------------------------------------------------------------
     def post_header(self, raw: bytes, *, tag: str = "") -> None:
         """Rank 1: one header (length-prefixed) down the stream; returns once the kernel has it (no round trip)."""

@@ -65,7 +65,7 @@ def _lp(dicts) -> list[dict[str, float]]:
 def _place(prefill, p_group: str, rid: str) -> tuple[str, int | None]:
     """(the group the decode side admits the request under, its prefill dp rank): a prefill with attention DP
     places the request on a dp rank first, and the decode side expects that rank's shards (the router's part)."""
-    from workers.group import DPEngine
+    from workers.dp import DPEngine
     from workers.transfer import TransferAgent
 
     if isinstance(prefill, DPEngine):
@@ -76,7 +76,7 @@ def _place(prefill, p_group: str, rid: str) -> tuple[str, int | None]:
 
 def _handoff_group(decode, d_group: str, rid: str) -> str:
     """Where the prefill sends a request: the decode group, or with attention DP its admitting dp rank's."""
-    from workers.group import DPEngine
+    from workers.dp import DPEngine
     from workers.transfer import TransferAgent
 
     if isinstance(decode, DPEngine):
@@ -295,7 +295,7 @@ def drive(ckpt: str) -> dict:
 
     from workers.config import EngineConfig, ParallelConfig
     from workers.engine import Engine
-    from workers.group import GroupOptions
+    from workers.executor.ray_group import GroupOptions
     from workers.transfer import TransferConfig
 
     torch.set_num_threads(1)

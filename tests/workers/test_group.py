@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from workers.config import EngineConfig, ParallelConfig
-from workers.engine import Engine, LocalExecutor
-from workers.group import DPEngine, GroupOptions, make_group_executor
+from workers.dp import DPEngine
+from workers.engine import Engine
+from workers.executor import LocalExecutor
+from workers.executor.ray_group import GroupOptions, make_group_executor
 
 
 @pytest.mark.parametrize("kw, field", [

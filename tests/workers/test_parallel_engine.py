@@ -81,7 +81,7 @@ def _decode_overhead_ms(engine) -> float:
 
 
 def _pages(engine) -> list[dict]:
-    from workers.group import DPEngine
+    from workers.dp import DPEngine
 
     cores = engine.cores if isinstance(engine, DPEngine) else [engine]
     return [{"free": c.stats().num_pages_free, "total": c.stats().num_pages_total, "owners": len(c.pages.owners())}
@@ -93,7 +93,7 @@ def _group_of(engine):
 
 
 def _expect_start_error(fn) -> dict:
-    from workers.group import GroupStartError
+    from workers.executor.ray_group import GroupStartError
 
     t = time.monotonic()
     try:
@@ -109,7 +109,7 @@ def _failures(ckpt: str, engine_config, tmp: Path) -> dict:
     import ray
 
     from workers.config import ParallelConfig
-    from workers.group import GroupOptions, WorkerGroup
+    from workers.executor.ray_group import GroupOptions, WorkerGroup
 
     out = {}
     broken = tmp / "broken-ckpt"
@@ -130,7 +130,7 @@ def _dead_rank(engine) -> dict:
     """Kill tp rank 1 of a running tp=2 engine: the health check and the next step both name it."""
     import ray
 
-    from workers.group import GroupError
+    from workers.executor import GroupError
     from workers.request import SamplingParams
 
     group = _group_of(engine)
@@ -195,7 +195,7 @@ def drive(ckpt: str, tmp: Path) -> dict:
 
     from workers.config import EngineConfig, ParallelConfig
     from workers.engine import Engine
-    from workers.group import GroupOptions
+    from workers.executor.ray_group import GroupOptions
     from workers.llm import LLM
 
     torch.set_num_threads(1)

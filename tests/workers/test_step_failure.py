@@ -116,7 +116,7 @@ def test_any_other_step_error_fails_its_requests_too_and_names_the_cause(make_ll
 
 
 def test_a_dead_executor_still_stops_the_engine(make_llm):
-    from workers.engine import ExecutorDeadError
+    from workers.executor import ExecutorDeadError
 
     engine = make_llm(num_pages=64, max_model_len=256).engine
     engine.executor = FailingExecutor(engine.executor, lambda b: True, ExecutorDeadError("rank 1 died"))
