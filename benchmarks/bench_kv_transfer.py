@@ -1,5 +1,5 @@
 """KV transfer benchmark: move the KV pages of one prompt between two GPUs (two processes, NCCL) with
-workers.transfer, next to the NCCL send/recv ceiling measured in the same run at the same sizes (PERF.md target:
+workers.kv, next to the NCCL send/recv ceiling measured in the same run at the same sizes (PERF.md target:
 >= 60% of the ceiling for an 8k-token prompt).
 
 Shapes: configs/models/m3-slice.yaml (4 layers: K and V of 4 KV heads x 128 on every layer, index-K of dim 128
@@ -56,9 +56,12 @@ import kernels.page_copy as page_copy  # noqa: E402
 from msa.config import M3Config  # noqa: E402
 from msa.kv_cache import KVCache  # noqa: E402
 from workers.configio import load_yaml, preset_path  # noqa: E402
-from workers.transfer import (KVReceiver, KVSender, TransferConfig, TransferState, plan_chunks,  # noqa: E402
-                              plan_routes)
-from workers.transport import PairChannel  # noqa: E402
+from workers.kv.config import TransferConfig, TransferState  # noqa: E402
+from workers.kv.receiver import KVReceiver  # noqa: E402
+from workers.kv.routes import plan_routes  # noqa: E402
+from workers.kv.sender import KVSender  # noqa: E402
+from workers.kv.wire import plan_chunks  # noqa: E402
+from workers.kv.transport import PairChannel  # noqa: E402
 
 TARGET_FRACTION_8K = 0.60
 PHASES = ("post", "header", "payload", "ack", "wake")

@@ -88,7 +88,7 @@ class FirstToken:
 
 def engine_transfer_config(config: ServeConfig):
     """The engines' transfer knobs from the serve config (timeouts, lease)."""
-    from workers.transfer import TransferConfig as EngineTransferConfig
+    from workers.kv.config import TransferConfig as EngineTransferConfig
 
     t = config.transfer
     # a prepared receive waits for prefill queueing + compute: the lease bounds that too
@@ -535,7 +535,7 @@ class EngineServer:
             return self._not_ready()
         rid = req.request_id
         if prefill_dp_rank is not None:
-            from workers.transfer import TransferAgent
+            from workers.kv.agent import TransferAgent
 
             prefill_group = TransferAgent.dp_group(prefill_group, prefill_dp_rank)
 
@@ -562,7 +562,7 @@ class EngineServer:
             self._dp_admissions[dp_rank] = self._dp_admissions.get(dp_rank, 0) + 1
         send_to = decode_group
         if decode_group is not None and dp_rank is not None:
-            from workers.transfer import TransferAgent
+            from workers.kv.agent import TransferAgent
 
             send_to = TransferAgent.dp_group(decode_group, dp_rank)
         return Admitted(num_pages=len(pages), dp_rank=dp_rank, send_to=send_to)

@@ -28,7 +28,7 @@ from workers.kv.group_agent import GroupTransferAgent
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
 from workers.stats import EngineStats, RequestStats, StepStats
-from workers.transfer import TransferConfig
+from workers.kv.config import TransferConfig
 
 
 class _Slot:

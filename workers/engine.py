@@ -41,7 +41,9 @@ from workers.scheduler import Request, Scheduler, Sequence as Seq
 from workers.stats import EngineStats, RequestStats, StepStats
 from workers.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop_string, stop_holdback
 from workers.stats import TransferStats
-from workers.transfer import TransferAgent, TransferConfig, TransferResult, TransferState
+from workers.kv.agent import TransferAgent
+from workers.kv.config import TransferConfig, TransferState
+from workers.kv.endpoint import TransferResult
 
 logger = logging.getLogger("m3serve.engine")
 

@@ -45,7 +45,7 @@ class ShardWorker:
         self.runner: ModelRunner | None = None
         self._store = None
         self.num_calls = 0  # group steps this rank ran (one Ray call each)
-        self.agent = None  # this shard's KV transfer end (workers.transfer.TransferAgent), prefill/decode roles
+        self.agent = None  # this shard's KV transfer end (workers.kv.agent.TransferAgent), prefill/decode roles
         if self.parallel.world_size == 1:
             self.runner = ModelRunner(model_dir, engine_config=engine_config, device=device)
 
@@ -119,7 +119,7 @@ class ShardWorker:
     # returned on every rank. These calls run on the actor's own thread, next to a compiled step graph's.
     def kv_init(self, role: str, num_kv_heads: int, config) -> dict:
         """Build this shard's agent (replacing one built before). -> {"tp", "tp_rank", "host"}."""
-        from workers.transfer import TransferAgent
+        from workers.kv.agent import TransferAgent
 
         if self.agent is not None:
             self.agent.close()

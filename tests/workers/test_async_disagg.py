@@ -15,7 +15,7 @@ from workers.async_engine import AsyncEngine
 from workers.config import EngineConfig
 from workers.engine import Engine, KVTransferFailed
 from workers.request import SamplingParams
-from workers.transfer import TransferConfig
+from workers.kv.config import TransferConfig
 
 P_GROUP, D_GROUP = "prefill-0#0", "decode-0#0"
 

@@ -66,7 +66,7 @@ def _place(prefill, p_group: str, rid: str) -> tuple[str, int | None]:
     """(the group the decode side admits the request under, its prefill dp rank): a prefill with attention DP
     places the request on a dp rank first, and the decode side expects that rank's shards (the router's part)."""
     from workers.dp import DPEngine
-    from workers.transfer import TransferAgent
+    from workers.kv.agent import TransferAgent
 
     if isinstance(prefill, DPEngine):
         q = prefill.place_request(rid)
@@ -77,7 +77,7 @@ def _place(prefill, p_group: str, rid: str) -> tuple[str, int | None]:
 def _handoff_group(decode, d_group: str, rid: str) -> str:
     """Where the prefill sends a request: the decode group, or with attention DP its admitting dp rank's."""
     from workers.dp import DPEngine
-    from workers.transfer import TransferAgent
+    from workers.kv.agent import TransferAgent
 
     if isinstance(decode, DPEngine):
         return TransferAgent.dp_group(d_group, decode.dp_rank_of(rid))
@@ -296,7 +296,7 @@ def drive(ckpt: str) -> dict:
     from workers.config import EngineConfig, ParallelConfig
     from workers.engine import Engine
     from workers.executor.ray_group import GroupOptions
-    from workers.transfer import TransferConfig
+    from workers.kv.config import TransferConfig
 
     torch.set_num_threads(1)
     t_start = time.monotonic()
@@ -563,7 +563,9 @@ def test_prefill_shard_without_routes_has_nothing_to_send():
     from msa.kv_cache import KVCache
     from msa.parallel import ParallelContext
     from workers.configio import load_yaml, preset_path
-    from workers.transfer import TransferAgent, TransferState, plan_routes
+    from workers.kv.agent import TransferAgent
+    from workers.kv.config import TransferState
+    from workers.kv.routes import plan_routes
 
     config = load_yaml(preset_path("models", "tiny"), M3Config)
     assert config.num_key_value_heads == 2
@@ -591,7 +593,9 @@ def test_prefill_shard_without_routes_has_nothing_to_send():
 
 
 def test_combine_over_shards():
-    from workers.transfer import TransferAgent, TransferResult, TransferState as S
+    from workers.kv.agent import TransferAgent
+    from workers.kv.config import TransferState as S
+    from workers.kv.endpoint import TransferResult
 
     def r(state, settled, n=10, why=None):
         return TransferResult(request_id="x", state=state, settled=settled, reason=why, num_bytes=n, seconds=n / 10,

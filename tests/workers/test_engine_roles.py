@@ -13,7 +13,7 @@ from tests.workers.disagg_helpers import drive_pair
 from workers.config import EngineConfig
 from workers.engine import Engine, role_engine_config
 from workers.request import SamplingParams
-from workers.transfer import TransferConfig, TransferState
+from workers.kv.config import TransferConfig, TransferState
 
 # prompts past 64 tokens: the tiny model's sparse layers select 4 of up to 10 blocks
 LENGTHS = [5, 17, 33, 64, 65, 90, 120, 150]

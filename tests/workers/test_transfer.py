@@ -23,10 +23,13 @@ from msa.config import M3Config
 from msa.kv_cache import KVCache
 from msa.parallel import ParallelContext
 from workers.configio import load_yaml, preset_path
-from workers.transfer import (_HEADER_VERSION, FaultyChannel, KVHeader, KVReceiver, KVSender, Route, Segment,
-                              TransferConfig, TransferState, chunk_nbytes, kv_heads_of_rank, plan_chunks,
-                              plan_routes)
-from workers.transport import PairChannel, PeerGone
+from workers.kv.config import _HEADER_VERSION, TransferConfig, TransferState
+from workers.kv.faults import FaultyChannel
+from workers.kv.receiver import KVReceiver
+from workers.kv.routes import Route, kv_heads_of_rank, plan_routes
+from workers.kv.sender import KVSender
+from workers.kv.wire import KVHeader, Segment, chunk_nbytes, plan_chunks
+from workers.kv.transport import PairChannel, PeerGone
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -692,8 +695,10 @@ def test_listener_closing_fails_pending_receives():
 # ---- across processes ----------------------------------------------------------------------------------------
 _SENDER_SCRIPT = '''
 import json, sys
-from workers.transfer import KVSender, TransferConfig, plan_routes
-from workers.transport import PairChannel
+from workers.kv.config import TransferConfig
+from workers.kv.routes import plan_routes
+from workers.kv.sender import KVSender
+from workers.kv.transport import PairChannel
 
 host, port, spec = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 src = _filled_cache(spec["num_pages"], seed=spec["seed"], dtype_name=spec["dtype"])
@@ -740,8 +745,11 @@ def test_two_plain_processes_move_pages_bitwise():
 _RAY_SCRIPT = '''
 import json, sys
 import ray, torch
-from workers.transfer import KVReceiver, KVSender, TransferConfig, plan_routes
-from workers.transport import PairChannel
+from workers.kv.config import TransferConfig
+from workers.kv.receiver import KVReceiver
+from workers.kv.routes import plan_routes
+from workers.kv.sender import KVSender
+from workers.kv.transport import PairChannel
 
 ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False,
          log_to_driver=False, configure_logging=False)
@@ -808,12 +816,12 @@ def test_two_ray_actors_move_pages_bitwise():
 
 def test_device_error_mid_payload_fails_both_sides(monkeypatch):
     """An exception that is not a wire error (here: the gather) must still settle the op, never hang it."""
-    import workers.transfer as transfer
+    import workers.kv.sender as sender_module
 
     def broken_gather(*a, **k):
         raise RuntimeError("simulated device fault")
 
-    monkeypatch.setattr(transfer._SendWorker, "_gather", broken_gather)
+    monkeypatch.setattr(sender_module._SendWorker, "_gather", broken_gather)
     src, dst = _filled_cache(4, seed=10), KVCache.allocate(_tiny(), 4)
     cfg = TransferConfig(timeout_s=1.0)
     sender, receiver = KVSender(src, config=cfg), KVReceiver(dst, config=cfg)

@@ -1,5 +1,5 @@
 """The KV transfer's GPU data plane on two CUDA devices: our own NCCL communicator (backend "nccl",
-workers/nccl.py) and ProcessGroupNCCL ("torch-nccl") behind PairChannel. Bytes cross intact both ways, KV pages
+workers/kv/nccl.py) and ProcessGroupNCCL ("torch-nccl") behind PairChannel. Bytes cross intact both ways, KV pages
 moved by KVSender/KVReceiver land bitwise, and a peer that aborts ends the other side's pending NCCL receive at
 once (the header stream's end), not at its deadline. The peer runs in a subprocess on cuda:1; this process is
 rank 0 (the listener) on cuda:0. Skipped without two CUDA devices."""
@@ -18,8 +18,10 @@ import torch
 from msa.config import M3Config
 from msa.kv_cache import KVCache
 from workers.configio import load_yaml, preset_path
-from workers.transfer import KVReceiver, TransferConfig, TransferState, plan_routes
-from workers.transport import PairChannel, PeerGone
+from workers.kv.config import TransferConfig, TransferState
+from workers.kv.receiver import KVReceiver
+from workers.kv.routes import plan_routes
+from workers.kv.transport import PairChannel, PeerGone
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -33,8 +35,10 @@ import torch
 from msa.config import M3Config
 from msa.kv_cache import KVCache
 from workers.configio import load_yaml, preset_path
-from workers.transfer import KVSender, TransferConfig, plan_routes
-from workers.transport import PairChannel
+from workers.kv.config import TransferConfig
+from workers.kv.routes import plan_routes
+from workers.kv.sender import KVSender
+from workers.kv.transport import PairChannel
 
 host, port, backend, scenario = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 dev = torch.device("cuda", 1)

@@ -6,7 +6,8 @@ from pathlib import Path
 from workers.batch import StepBatch
 from workers.config import EngineConfig
 from workers.runner import StepResult
-from workers.transfer import TransferAgent, TransferConfig
+from workers.kv.agent import TransferAgent
+from workers.kv.config import TransferConfig
 
 
 class LocalExecutor:

@@ -25,7 +25,7 @@ from workers.executor.base import GroupError, cause_of
 from workers.executor.local import LocalExecutor
 from workers.kv.group_agent import GroupTransferAgent
 from workers.runner import StepResult
-from workers.transfer import TransferConfig
+from workers.kv.config import TransferConfig
 
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 DISPATCH_MODES = ("compiled", "rpc")

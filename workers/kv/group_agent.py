@@ -1,6 +1,6 @@
 """`GroupTransferAgent`: the engine's end of disaggregation over a tp group's shards.
 
-Each `ShardWorker` hosts the `TransferAgent` of its own KV pages (workers/transfer.py), and the engine's transfer
+Each `ShardWorker` hosts the `TransferAgent` of its own KV pages (workers/kv/agent.py), and the engine's transfer
 calls fan out to them (docs/disaggregation.md). It needs nothing of the executors but the error a dead shard
 raises.
 """
@@ -13,7 +13,9 @@ import ray
 
 from workers.executor.base import GroupError, cause_of
 from workers.stats import TransferStats
-from workers.transfer import TransferAgent, TransferConfig, TransferResult
+from workers.kv.agent import TransferAgent
+from workers.kv.config import TransferConfig
+from workers.kv.endpoint import TransferResult
 
 
 def _unwrap(e: BaseException, what: str) -> BaseException:

@@ -3,7 +3,7 @@
 A `PairChannel` is three connections between the two sides: a TCPStore (rendezvous only), a header stream (a plain
 TCP connection, TCP_NODELAY: one small length-prefixed message per transfer, sender -> receiver) and a standalone
 2-rank backend built from the store (point-to-point send/recv: the payload, and the receiver's status back). On
-GPU that is an NCCL communicator of its own (workers/nccl.py: `ncclSend`/`ncclRecv` on the channel's stream,
+GPU that is an NCCL communicator of its own (workers/kv/nccl.py: `ncclSend`/`ncclRecv` on the channel's stream,
 after what the posting thread's stream queued; its id goes through the store), because ProcessGroupNCCL's host
 cost per post (~0.14 ms on the H200 host) sat on the transfer's critical path on both sides; "torch-nccl" keeps
 ProcessGroupNCCL. On CPU it is `ProcessGroupGloo(store, rank, 2, ...)`. The torch backends are constructed
@@ -148,12 +148,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class PairChannel:
     """One side of a 2-party channel. Rank 0 listens (hosts the store), rank 1 connects.
 
-    backend: "gloo" (CPU tensors), "nccl" (CUDA tensors of `device`; our own calls into libnccl, workers/nccl.py,
+    backend: "gloo" (CPU tensors), "nccl" (CUDA tensors of `device`; our own calls into libnccl, workers/kv/nccl.py,
     ops on the channel's stream after the posting thread's current one) or "torch-nccl" (the same through torch's
     ProcessGroupNCCL, which costs ~0.14 ms of host time per post). Data-plane calls of one channel must be
-    posted in one order on each side (workers/transfer.py serialises them per pair), which keeps send/recv order
+    posted in one order on each side (the sender and receiver serialise them per pair), which keeps send/recv order
     identical on both sides; their works may be waited on from another thread. `tag` arguments name the request
-    a message belongs to; the real channel ignores them (the fault-injecting fake in workers/transfer.py keys its
+    a message belongs to; the real channel ignores them (the fault-injecting fake in workers/kv/faults.py keys its
     faults on them).
     """
 
@@ -282,7 +282,7 @@ class PairChannel:
     def _direct_comm(self, store: Any) -> Any:
         """Rank 0 makes the communicator id and publishes it in the pair's store; both then join (blocks until
         both did; no deadline of ours inside NCCL's bootstrap, see docs/disaggregation.md, What remains)."""
-        from workers import nccl
+        from workers.kv import nccl
 
         if self.rank == 0:
             store.set("nccl_uid", nccl.unique_id())
