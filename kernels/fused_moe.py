@@ -257,14 +257,10 @@ def _gate_up_kernel(x_ptr, w, act_ptr, sorted_ptr, counts_ptr, row_start_ptr, bl
     e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
     if e >= E:
         return
-    if HALF_TAIL:
-        # an expert's last block is on average half full: run it as a half-height tile when it fits one
-        if nrows <= BLOCK_M // 2:
-            _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n,
-                           act_st, alpha, limit, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
-        else:
-            _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n,
-                           act_st, alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+    # an expert's last block is on average half full: run it as a half-height tile when it fits one
+    if HALF_TAIL and nrows <= BLOCK_M // 2:
+        _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n, act_st,
+                       alpha, limit, TOP_K, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
     else:
         _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x_st_t, w_st_e, w_st_n, act_st,
                        alpha, limit, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
@@ -306,13 +302,9 @@ def _down_kernel(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, counts_ptr, row_sta
     e, row0, nrows = _block_rows(block_end_ptr, counts_ptr, row_start_ptr, pid_m, E, E_PAD, BLOCK_M)
     if e >= E:
         return
-    if HALF_TAIL:
-        if nrows <= BLOCK_M // 2:
-            _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e,
-                        w_st_n, y_st, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
-        else:
-            _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e,
-                        w_st_n, y_st, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
+    if HALF_TAIL and nrows <= BLOCK_M // 2:
+        _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e, w_st_n,
+                    y_st, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
     else:
         _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, act_st, w_st_e, w_st_n,
                     y_st, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, TMA)
