@@ -222,7 +222,8 @@ def test_padded_step_on_static_buffers_equals_the_eager_step_and_writes_no_paddi
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for layer in range(kv.num_layers):
         assert kv.k[layer][0].eq(0).all() and kv.v[layer][0].eq(0).all()  # slot -1: padding wrote nothing
-        torch.testing.assert_close(kv.k[layer], kv_eager.k[layer], rtol=1e-5, atol=1e-6)
+        # a padded batch of 8 runs other BLAS blockings than 5 rows: a few ulps on some CPUs (2.7e-6 seen here)
+        torch.testing.assert_close(kv.k[layer], kv_eager.k[layer], rtol=1e-5, atol=1e-5)
 
 
 def test_runner_on_cpu_never_captures_and_the_graph_path_samples_like_eager(make_llm, monkeypatch):
