@@ -535,7 +535,7 @@ def profile(bench: Bench, length: int, out: str | None, prompts: int = 1) -> dic
     try:
         bench.run([length] * prompts)  # warm-up (compiles for this shape)
         acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if bench.cuda else [ProfilerActivity.CPU]
-        with torch_profile(activities=acts) as prof:
+        with torch_profile(activities=acts, with_stack=bench.cuda) as prof:
             run = bench.run([length] * prompts)
     except Exception as e:  # noqa: BLE001
         res["error"] = _failure(e, "profile")
@@ -571,12 +571,32 @@ def profile(bench: Bench, length: int, out: str | None, prompts: int = 1) -> dic
         res["runtime"] = [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in host]
         lines.append(f"{'cpu ms':>10} {'':>6} {'calls':>6}  CUDA runtime call")
         lines += [f"{e['self_cpu_ms']:10.3f} {'':>6} {e['calls']:6d}  {e['name'][:100]}" for e in res["runtime"]]
+        lines.append(_idle_time(prof, out, res))
     text = "\n".join(lines)
     print(text, flush=True)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / PROFILE_NAME).write_text(text + "\n")
     return res
+
+
+def _idle_time(prof, out: str | None, res: dict) -> str:
+    """The GPU's idle gaps in the profiled run and the host functions overlapping them (trace_gaps.py); the
+    trace itself is kept gzipped under --out."""
+    import gzip
+
+    from trace_gaps import format_summary, idle_summary, load_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        summary = idle_summary(load_trace(path))
+        if out:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            with open(path, "rb") as src, gzip.open(Path(out) / "bench_engine_prefill_trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    res["idle"] = {k: summary[k] for k in ("span_us", "busy_us", "idle_us")}
+    return format_summary(summary)
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
