@@ -1,7 +1,7 @@
 """Scheduler output -> the step batch a shard runs: token ids, `ChunkSpec`s and the rows to sample.
 
 `StepBatch` is plain data (lists, frozen dataclasses) so it pickles cheaply to a shard actor; the shard turns it
-into `AttentionMetadata` with `msa.metadata.build_metadata` on its own device (`to_metadata`). Sampling state
+into `AttentionMetadata` on its own device (`msa.metadata.host_metadata` + one staged copy). Sampling state
 that must persist across steps (a seeded request's RNG) lives on the shard, keyed by sequence id.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from msa.metadata import AttentionMetadata, ChunkSpec, build_metadata
+from msa.metadata import ChunkSpec
 from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.sampler import suppressed_token_ids
@@ -56,9 +56,6 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
-
-    def to_metadata(self, page_size: int, device) -> AttentionMetadata:
-        return build_metadata(self.chunks, page_size, device)
 
 
 def _row(seq, eos_token_ids: Iterable[int]) -> SampleRow:

@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from msa.config import M3Config, load_config
 from msa.kv_cache import KVCache
-from msa.metadata import build_metadata, host_tensor
+from msa.metadata import Stager, build_metadata, host_metadata
 from msa.model import load_model
 from msa.parallel import ParallelContext
 from workers.batch import StepBatch, logits_row_of_chunk
@@ -96,8 +97,8 @@ class StepResult:
 
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per row: sampled token + top-N, None where not requested
-    forward_time: float  # seconds in the model forward + logits (device synchronised)
-    sample_time: float  # seconds building the sampling batch and sampling
+    forward_time: float  # seconds in the forward, logits and the sampler's kernels (device synchronised)
+    sample_time: float  # seconds reading the sampled tokens and logprobs back into lists
     # per StepBatch.prompt_logprob_chunks entry: {target token: logprob, + top-N} for each of its targets
     prompt_logprobs: list[list[dict[int, float]]] = ()
 
@@ -125,6 +126,7 @@ class ModelRunner:
         # Unseeded rows draw from this engine-seeded generator; seeded rows get their own (see sampler).
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self._generators: dict[int, torch.Generator] = {}
+        self._stager = Stager(self.device)  # the eager steps' inputs: one pinned buffer, one copy a step
         self.num_graph_steps = 0  # steps run by replaying a decode graph (tests and benchmarks read it)
         self.graphs: DecodeGraphs | None = self._capture_graphs(engine_config)
 
@@ -183,6 +185,10 @@ class ModelRunner:
             self.num_graph_steps += 1
         else:
             logits, plp_rows = self._eager_logits(batch)
+        sampled = None
+        if self.samples and batch.rows:
+            # queued behind the forward (staged inputs, no sync): the host builds it while the GPU still runs
+            sampled = self._sample(logits[:len(batch.rows)], batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t1 = time.perf_counter()
@@ -190,8 +196,8 @@ class ModelRunner:
             return StepResult(token_ids=[], logprobs=[], forward_time=t1 - t0, sample_time=0.0, prompt_logprobs=[])
         token_ids: list[int] = []
         logprobs: list[dict[int, float] | None] = []
-        if batch.rows:
-            out, num_logprobs = self._sample(logits[:len(batch.rows)], batch)
+        if sampled is not None:
+            out, num_logprobs = sampled
             token_ids = out.token_ids.tolist()
             logprobs = out.logprob_dicts(num_logprobs) if any(k is not None for k in num_logprobs) else \
                 [None] * len(token_ids)
@@ -202,10 +208,9 @@ class ModelRunner:
 
     def _eager_logits(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[int]]:
         """The step's forward run eagerly -> (logits [sampled rows + prompt-logprob targets, vocab] fp32 or None,
-        the first logits row of each prompt-logprob chunk)."""
-        meta = batch.to_metadata(self.page_size, self.device)
-        input_ids = host_tensor(batch.input_ids, torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, meta, self.kv)
+        the first logits row of each prompt-logprob chunk). The step's inputs reach the device in one staged copy
+        that never waits for the GPU (msa.metadata.Stager)."""
+        host = host_metadata(batch.chunks, self.page_size)
         first, last = logits_row_of_chunk(batch.chunks)
         # Only the sampling chunks (and prompt-logprob chunks) need the LM head, not every chunk's last token.
         want = [last[i] for i in batch.sample_chunks]
@@ -213,10 +218,11 @@ class ModelRunner:
         for pc in batch.prompt_logprob_chunks:
             plp_rows.append(len(want))
             want.extend(range(first[pc.chunk_index], first[pc.chunk_index] + len(pc.target_ids)))
-        logits = None
-        if want:
-            rows = meta.logits_indices[torch.tensor(want, dtype=torch.int64).to(self.device)]
-            logits = self.model.compute_logits(hidden[rows])
+        rows = host.logits_indices[np.asarray(want, dtype=np.int64)]
+        meta, (input_ids, rows_t) = host.to_device(self._stager, extra=[(batch.input_ids, torch.int64),
+                                                                       (rows, torch.int64)])
+        hidden = self.model(input_ids, meta, self.kv)
+        logits = self.model.compute_logits(hidden[rows_t]) if want else None
         return logits, plp_rows
 
     def _idle_step(self) -> StepResult:
@@ -244,7 +250,8 @@ class ModelRunner:
         params = [r.params for r in rows]
         generators = [self._generator(r, logits.shape[-1]) for r in rows]
         sb = SamplingBatch.build(params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
-                                 generators, self.device, suppressed_ids=[r.suppressed_ids for r in rows])
+                                 generators, self.device, suppressed_ids=[r.suppressed_ids for r in rows],
+                                 stage=self._stager.stage)
         return self.sampler(logits, sb), [p.logprobs for p in params]
 
     def _generator(self, row, vocab_size: int) -> torch.Generator | None:

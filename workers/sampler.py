@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from msa.metadata import host_tensor
 from workers.request import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow fp32 logits.
@@ -50,8 +51,8 @@ def suppressed_token_ids(
     return sorted(set(stops) | set(params.stop_token_ids))
 
 
-def _flat_pairs(rows_of_ids: Sequence[Sequence[Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row index [M], token id [M]) int64 for every id of every row, duplicates kept.
+def _flat_pairs(rows_of_ids: Sequence[Sequence[Sequence[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row index [M], token id [M]) int64 numpy arrays for every id of every row, duplicates kept.
 
     rows_of_ids[r] is a tuple of id sequences for row r (e.g. its prompt and its output), read without
     concatenating them. numpy's fromiter keeps this at C speed: a step can carry 100k+ prompt ids."""
@@ -61,7 +62,7 @@ def _flat_pairs(rows_of_ids: Sequence[Sequence[Sequence[int]]]) -> tuple[torch.T
     ids = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(rows_of_ids)),
                       dtype=np.int64, count=total)
     rows = np.repeat(np.arange(len(rows_of_ids), dtype=np.int64), lengths)
-    return torch.from_numpy(rows), torch.from_numpy(ids)
+    return rows, ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,10 +106,13 @@ class SamplingBatch:
         device: torch.device | str,
         *,
         suppressed_ids: Sequence[Sequence[int]] | None = None,
+        stage: Callable[[list[tuple[Sequence, torch.dtype]]], list[torch.Tensor]] | None = None,
     ) -> "SamplingBatch":
         """One row per sequence being sampled this step (a request with n > 1 has n rows).
 
         `suppressed_ids[i]`: ids row i may not sample (see `suppressed_token_ids` for `min_tokens`).
+        `stage`: puts [(host values, dtype)] on `device` in one go (the runner's `msa.metadata.Stager.stage`: one
+        pinned non-blocking copy, so the batch is built while the forward still runs); None: one copy a tensor.
         """
         n = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
@@ -118,51 +122,44 @@ class SamplingBatch:
             )
         if suppressed_ids is not None and len(suppressed_ids) != n:
             raise ValueError(f"suppressed_ids: expected {n} rows, got {len(suppressed_ids)}")
-        device = torch.device(device)
         greedy = [p.temperature < GREEDY_TEMPERATURE_EPS for p in params]
         top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
         do_rep = any(p.repetition_penalty != 1.0 for p in params)
         do_pf = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+        f32 = torch.float32
+        lists: dict[str, tuple] = {
+            "temperature": ([1.0 if g else p.temperature for p, g in zip(params, greedy)], f32),
+            "greedy": (greedy, torch.bool), "top_k": (top_k, torch.int64),
+            "top_p": ([p.top_p for p in params], f32), "min_p": ([p.min_p for p in params], f32),
+            "repetition_penalty": ([p.repetition_penalty for p in params], f32),
+            "presence_penalty": ([p.presence_penalty for p in params], f32),
+            "frequency_penalty": ([p.frequency_penalty for p in params], f32)}
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+        def pairs(name: str, rows_of_ids: Sequence[Sequence[Sequence[int]]]) -> None:
+            rows, ids = _flat_pairs(rows_of_ids)
+            lists[f"{name}_rows"], lists[f"{name}_ids"] = (rows, torch.int64), (ids, torch.int64)
 
-        def pairs(rows_of_ids: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            r, i = _flat_pairs(rows_of_ids)
-            return r.to(device, non_blocking=True), i.to(device, non_blocking=True)
-
-        seen_rows = seen_ids = out_rows = out_ids = sup_rows = sup_ids = None
         if do_rep:
             # Rows without a repetition penalty contribute no pairs (their factor would be 1 anyway).
-            seen = [
-                (pr, out) if p.repetition_penalty != 1.0 else ()
-                for p, pr, out in zip(params, prompt_token_ids, output_token_ids)
-            ]
-            seen_rows, seen_ids = pairs(seen)
+            pairs("seen", [(pr, out) if p.repetition_penalty != 1.0 else ()
+                           for p, pr, out in zip(params, prompt_token_ids, output_token_ids)])
         if do_pf:
-            outs = [
-                (out,) if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) else ()
-                for p, out in zip(params, output_token_ids)
-            ]
-            out_rows, out_ids = pairs(outs)
+            pairs("output", [(out,) if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) else ()
+                             for p, out in zip(params, output_token_ids)])
         if suppressed_ids is not None and any(len(s) for s in suppressed_ids):
-            sup_rows, sup_ids = pairs([(s,) for s in suppressed_ids])
+            pairs("suppressed", [(s,) for s in suppressed_ids])
+        if stage is None:
+            dev = torch.device(device)
+            tensors = [host_tensor(values, dtype).to(dev, non_blocking=True) for values, dtype in lists.values()]
+        else:
+            tensors = stage(list(lists.values()))
+        t = dict(zip(lists, tensors))
         return cls(
-            num_rows=n,
-            temperature=f32([1.0 if g else p.temperature for p, g in zip(params, greedy)]),
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
-            top_p=f32([p.top_p for p in params]),
-            min_p=f32([p.min_p for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            seen_rows=seen_rows,
-            seen_ids=seen_ids,
-            output_rows=out_rows,
-            output_ids=out_ids,
-            suppressed_rows=sup_rows,
-            suppressed_ids=sup_ids,
+            num_rows=n, **{k: t[k] for k in ("temperature", "greedy", "top_k", "top_p", "min_p",
+                                             "repetition_penalty", "presence_penalty", "frequency_penalty")},
+            seen_rows=t.get("seen_rows"), seen_ids=t.get("seen_ids"), output_rows=t.get("output_rows"),
+            output_ids=t.get("output_ids"), suppressed_rows=t.get("suppressed_rows"),
+            suppressed_ids=t.get("suppressed_ids"),
             generators=tuple(generators),
             num_logprobs=max((p.logprobs or 0) for p in params) if params else 0,
             all_greedy=all(greedy),
@@ -304,8 +301,9 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.suppressed_ids is not None:
+            # the -inf made on the device: a host scalar would be a synchronising copy
             logits = logits.index_put((batch.suppressed_rows, batch.suppressed_ids),
-                                      torch.tensor(float("-inf"), device=logits.device))
+                                      logits.new_full((), float("-inf")))
         logits = apply_penalties(logits, batch)
         greedy_ids = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
