@@ -34,18 +34,10 @@ import triton
 import triton.language as tl
 
 from kernels._triton import next_pow2, runnable, use_triton
+from kernels.swiglu import swiglu_oai_ref
 
 
 # ---- torch reference ------------------------------------------------------------------------------------------
-
-def swiglu_oai_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """[..., 2I] (gate columns, then up) -> (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate,
-    limit)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    g = gate.clamp(max=limit)
-    u = up.clamp(min=-limit, max=limit)
-    return (u + 1.0) * (g * torch.sigmoid(g * alpha))
-
 
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, *, alpha: float, limit: float, expert_start: int = 0,
