@@ -5,7 +5,11 @@ These are the engine's contract upward: `deploy/` builds `SamplingParams` from H
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# integer fields fit a signed 64-bit tensor element (seeds, counts and ids travel to the device as int64)
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,9 +36,20 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        """Every field finite and bounded, so nothing a request carries reaches a step unchecked (a NaN
+        temperature sampled pad tokens; a top_k past int64 killed the step thread)."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")
 
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not _INT_MIN <= v <= _INT_MAX):
+                bad(name, f"must be an integer in [{_INT_MIN}, {_INT_MAX}], got {v!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
         if self.n < 1:
             bad("n", f"must be >= 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -53,14 +68,16 @@ class SamplingParams:
             bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            bad("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
-        if any(not s for s in self.stop):
-            bad("stop", "stop strings must be non-empty")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop strings must be non-empty strings")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT_MAX for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids in [0, {_INT_MAX}]")
 
     @property
     def greedy(self) -> bool:

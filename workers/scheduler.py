@@ -195,6 +195,10 @@ class Scheduler:
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            # a stop id past the vocabulary would index the logits out of range on the device (min_tokens)
+            bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(prompt) >= cfg.max_model_len:
             raise ValueError(f"prompt_token_ids: the prompt has {len(prompt)} tokens, max_model_len is "
                              f"{cfg.max_model_len} (room for at least one generated token is needed)")

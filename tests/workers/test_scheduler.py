@@ -254,6 +254,8 @@ def test_validation_names_the_field():
         s.add_request("e", [], greedy(1))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         s.add_request("v", [97], greedy(1))
+    with pytest.raises(ValueError, match="stop_token_ids: token id 97"):  # would index the logits out of range
+        s.add_request("s", [1], SamplingParams(max_tokens=1, stop_token_ids=(3, 97)))
     with pytest.raises(ValueError, match="prompt_token_ids"):
         s.add_request("l", [1] * 32, greedy(1))
     with pytest.raises(ValueError, match="max_tokens"):
