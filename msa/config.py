@@ -198,6 +198,11 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> M3Config:
     if model_type == "minimax_m3_vl" or "text_config" in raw:
         text = dict(raw.get("text_config") or {})
         quant = raw.get("quantization_config") or text.get("quantization_config")
+        # the wrapper often carries the checkpoint's dtype at the top level only: a float32 checkpoint read as
+        # bf16 ran off the reference by 0.01-0.05 in logprobs without a word
+        for key in ("torch_dtype", "dtype"):
+            if not (text.get("torch_dtype") or text.get("dtype")) and raw.get(key):
+                text[key] = raw[key]
     elif model_type in ("minimax_m3_vl_text", None):
         text = dict(raw)
         quant = raw.get("quantization_config")
@@ -207,6 +212,17 @@ def parse_config(raw: dict[str, Any], source: str = "config.json") -> M3Config:
         method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
         raise UnsupportedConfig(f"{source}: quantization_config: {method!r} is not supported yet (bf16/fp32 only)")
     return _parse_text(text, source)
+
+
+def _dtype_name(value: Any, source: str) -> str:
+    """'bfloat16' | 'float16' | 'float32' from a config's dtype (transformers writes "bfloat16", some tools
+    "torch.bfloat16")."""
+    name = str(value).removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name)
+    if name not in ("bfloat16", "float16", "float32"):
+        raise UnsupportedConfig(f"{source}: torch_dtype: {value!r} is not one of bfloat16, float16, float32")
+    return name
 
 
 def _need(d: dict[str, Any], key: str, source: str) -> Any:
@@ -303,7 +319,7 @@ def _parse_text(t: dict[str, Any], source: str) -> M3Config:
             mlp_layer_types=tuple(mlp_types),
             bos_token_id=t.get("bos_token_id"),
             eos_token_id=eos_ids,
-            torch_dtype=str(t.get("torch_dtype") or t.get("dtype") or "bfloat16"),
+            torch_dtype=_dtype_name(t.get("torch_dtype") or t.get("dtype") or "bfloat16", source),
         )
     except ValueError as e:
         raise UnsupportedConfig(f"{source}: {e}") from None

@@ -115,6 +115,8 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         config = load_config(model_dir)
         self.dtype = resolve_dtype(engine_config.dtype, config, self.device)
+        logger.info("rank %d: running in %s on %s (checkpoint dtype %s, engine dtype %r)", self.ctx.world_rank,
+                    str(self.dtype).removeprefix("torch."), self.device, config.torch_dtype, engine_config.dtype)
         self.model = load_model(model_dir, device=self.device, dtype=self.dtype, ctx=ctx)
         self.config = self.model.config
         backend = engine_config.attention_backend

@@ -167,3 +167,28 @@ def test_mtp_and_vision_fields_are_ignored(tiny):
     raw = hub_with(tiny, lambda r, x, s: (r.update(mm_projector_type="mlp2x"), x.update(num_mtp_modules=1,
                                                                                          mtp_transformer_layers=1)))
     assert parse_config(raw) == tiny
+
+
+@pytest.mark.parametrize("where", ["text", "top", "both"])
+def test_checkpoint_dtype_is_read_from_whichever_level_carries_it(tiny, where):
+    raw = copy.deepcopy(tiny.to_hub_dict())
+    for d in (raw, raw["text_config"]):
+        d.pop("torch_dtype", None), d.pop("dtype", None)
+    if where in ("text", "both"):
+        raw["text_config"]["torch_dtype"] = "float16"
+    if where in ("top", "both"):
+        raw["torch_dtype"] = "float32" if where == "both" else "float16"
+    # the text config wins when both carry one; the wrapper's top level is read when only it does
+    assert parse_config(raw).torch_dtype == "float16"
+    raw["text_config"].pop("torch_dtype", None)
+    raw["dtype"] = raw.pop("torch_dtype", "float32")
+    assert parse_config(raw).torch_dtype == raw["dtype"]
+
+
+def test_dtype_spellings_and_refusal(tiny):
+    text = copy.deepcopy(tiny.to_hf_text_dict())
+    text["torch_dtype"] = "torch.float32"
+    assert parse_config(text).torch_dtype == "float32"
+    text["torch_dtype"] = "int8"
+    with pytest.raises(UnsupportedConfig, match="torch_dtype"):
+        parse_config(text)
