@@ -10,7 +10,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,cpu]'
 	touch $@
 
 # Serves the built-in tiny MiniMax-M3 model on CPU (written on first use; no downloads).
