@@ -1,0 +1,133 @@
+"""The proposed M3-format chat template (deploy/chat_template_m3.py): rendered in jinja2's sandbox as the ingress
+renders it, its assistant turns parse back with the tool and reasoning parsers to the same calls."""
+from __future__ import annotations
+
+import json
+
+import jinja2
+import pytest
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from deploy.chat_template_m3 import CHAT_TEMPLATE_M3, arguments_as_objects
+from deploy.reasoning_parser import parse_reasoning, prompt_starts_in_reasoning
+from deploy.tool_parser import NS, parse_tool_calls
+from workers.tokenizer import Tokenizer
+
+BOS, EOS = "<|bos|>", "<|eos|>"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "unit": {"type": ["string", "null"]}, "hourly": {"type": "boolean"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "plan", "parameters": {
+        "type": "object", "properties": {
+            "trip": {"type": "object", "properties": {"budget": {"type": "number"}, "code": {"type": "string"},
+                                                      "stops": {"type": "array", "items": {"type": "string"}}}},
+            "legs": {"type": "array", "items": {"type": "object", "properties": {
+                "day": {"type": "integer"}, "note": {"type": "string"}}}}}}}},
+]
+CALLS = [
+    {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "unit": None, "hourly": True}},
+    {"name": "plan", "arguments": {"trip": {"budget": 1250.5, "code": "007", "stops": ["Lyon", None, "Nice"]},
+                                   "legs": [{"day": 1, "note": 'say "hi" <b> & \\n'}, {"day": 2, "note": None}]}},
+]
+
+
+def render(messages, **kwargs) -> str:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(CHAT_TEMPLATE_M3).render(
+        messages=messages, bos_token=BOS, eos_token=EOS, add_generation_prompt=kwargs.pop("add_generation_prompt", True),
+        **{"tools": None, **kwargs})
+
+
+def without_nulls(v):
+    if isinstance(v, dict):
+        return {k: without_nulls(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [without_nulls(x) for x in v if x is not None]
+    return v
+
+
+def conversation() -> list[dict]:
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris, and plan a trip?"},
+        {"role": "assistant", "content": "Let me check.\n", "reasoning_content": "Two tools apply.",
+         "tool_calls": [{"id": f"call_{i}", "type": "function",
+                         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                        for i, c in enumerate(CALLS)]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "planned"}]},
+        {"role": "assistant", "content": "Sunny; trip planned.", "reasoning_content": "Both done."},
+    ]
+
+
+def assistant_turns(text: str) -> list[str]:
+    return [part.split(EOS)[0] for part in text.split("<|assistant|>\n")[1:]]
+
+
+def test_rendered_tool_calls_and_reasoning_parse_back_to_the_same():
+    text = render(arguments_as_objects(conversation()), tools=TOOLS, add_generation_prompt=False)
+    first, second = assistant_turns(text)
+    r = parse_reasoning(first)
+    assert (r.reasoning, r.content.startswith("Let me check.\n" + NS)) == ("Two tools apply.", True)
+    parsed = parse_tool_calls(r.content, TOOLS)
+    assert parsed.content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        (c["name"], without_nulls(c["arguments"])) for c in CALLS]
+    assert (parse_reasoning(second).reasoning, parse_reasoning(second).content) == ("Both done.", "Sunny; trip planned.")
+    assert parse_tool_calls(second, TOOLS).tool_calls == ()
+
+
+def test_exact_rendering():
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"function": {"name": "f", "arguments": {"a": [1, None, {"b": False}], "c": None}}}]},
+                {"role": "tool", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert render(messages, tools=tools) == (
+        f"{BOS}<|system|>\n# Tools\nYou may call one or more of these functions, whose definitions follow as JSON, "
+        'one per line:\n<tools>\n{"name": "f", "parameters": {"type": "object"}}\n</tools>\n'
+        f"To call functions, end your answer with:\n{NS}<tool_call>\n{NS}<invoke name=\"FUNCTION\">{NS}<ARGUMENT>value"
+        f"{NS}</ARGUMENT>{NS}</invoke>\n{NS}</tool_call>\nwith one invoke per call. Write objects as nested elements, "
+        f"lists as {NS}<item> elements, and leave out null values.{EOS}\n"
+        f"<|user|>\nHi{EOS}\n"
+        f'<|assistant|>\n{NS}<tool_call>\n{NS}<invoke name="f">{NS}<a>{NS}<item>1{NS}</item>{NS}<item>{NS}<b>false'
+        f"{NS}</b>{NS}</item>{NS}</a>{NS}</invoke>\n{NS}</tool_call>{EOS}\n"
+        f"<|tool|>\nok{EOS}\n<|assistant|>\n")
+    assert render([{"role": "user", "content": "Hi"}]) == f"{BOS}<|user|>\nHi{EOS}\n<|assistant|>\n"
+
+
+def test_thinking_switch_and_old_reasoning_dropped():
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "old"},
+                {"role": "user", "content": "c"}]
+    on, off = render(messages, enable_thinking=True), render(messages, enable_thinking=False)
+    assert on.endswith("<|assistant|>\n<mm:think>") and prompt_starts_in_reasoning(on)
+    assert off.endswith("<|assistant|>\n") and not prompt_starts_in_reasoning(off)
+    assert render(messages) == off and "old" not in off
+
+
+def test_arguments_must_be_objects_and_roles_known():
+    with pytest.raises(jinja2.exceptions.TemplateError, match="arguments must be an object"):
+        render(conversation(), tools=TOOLS)
+    with pytest.raises(jinja2.exceptions.TemplateError, match="unknown chat role"):
+        render([{"role": "critic", "content": "x"}])
+    with pytest.raises(ValueError):
+        arguments_as_objects([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}])
+    assert arguments_as_objects([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": " "}}]}]
+                                ) == [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+
+
+def test_the_ingress_tokenizer_renders_it_the_same():
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({BOS: 0, EOS: 1, "<unk>": 2}, unk_token="<unk>"))
+    tok = Tokenizer(backend, {"bos_token": BOS, "eos_token": EOS}, chat_template=CHAT_TEMPLATE_M3)
+    messages = arguments_as_objects(conversation())
+    assert tok.apply_chat_template(messages, tools=TOOLS, enable_thinking=True) == render(
+        messages, tools=TOOLS, enable_thinking=True)
