@@ -1,39 +1,36 @@
 """MiniMax-M3 tool calls: the model's generated text -> content + OpenAI `tool_calls`, whole or streamed.
 
-The syntax (../shared/M3_SPEC.md section 7): every structural tag is preceded by the namespace token NS =
-`]<]minimax[>[`. One wrapper `NS<tool_call>` ... `NS</tool_call>` holds one or more `NS<invoke name="F">` ...
-`NS</invoke>`; inside an invoke each argument is an element named after it, `NS<city>Paris NS</city>` (no
-space in the real text), a nested object is nested elements, an array a sequence of `NS<item>` elements, and
-null values are never written. Scalars are typed by the tool's JSON schema; NS right after an opening tag
-means the value is nested XML whatever the schema says. Hand-written because no maintained library parses this
-format (the public parsers live inside serving engines), and ours must stream token by token.
+Syntax (../shared/M3_SPEC.md section 7): a namespace token NS = `]<]minimax[>[` precedes every structural tag.
+One wrapper `NS<tool_call>`...`NS</tool_call>` holds `NS<invoke name="F">`...`NS</invoke>` calls; each argument
+is an element named after it (`NS<city>Paris` + `NS</city>`), an object nested elements, an array `NS<item>`
+elements; nulls are never written. Scalars are typed by the tool's JSON schema; NS right after an opening tag
+means nested XML whatever the schema says. Hand-written: no maintained library parses this format (the public
+parsers live inside serving engines), and it must stream token by token.
 
-One incremental machine does both jobs: `parse_tool_calls` feeds it the whole text, `ToolCallStreamParser`
-feeds it deltas. It decides only what the text seen so far settles and holds back the rest (a possible NS, a
-tag not yet closed by `>`, an element not yet known to be a scalar or nested), so any split of a text gives the
-same result: the content deltas concatenate to the parsed content and each call's argument fragments
-concatenate to its `arguments`. Arguments are written as `json.dumps` writes them (`", "`, `": "`, not ASCII
-escaped); a value typed as a string streams character by character, any other value when its element closes.
+One incremental machine does both jobs (`parse_tool_calls` feeds it the whole text). It settles only what the
+text so far decides and holds the rest (a possible NS, a tag without its `>`, an element not yet known to be a
+scalar or nested), so every split gives the same result: content deltas concatenate to the parsed content and
+each call's argument fragments to its `arguments`, written as `json.dumps` writes them (not ASCII-escaped). A
+string value streams as it arrives; any other value when its element closes.
 
-Contracts (never an exception for any model output):
+Contracts (never an exception, whatever the model wrote):
 - Text outside a wrapper is content, verbatim (whitespace included; the caller may map blank content to None).
-- A wrapper is tentative until its first `invoke` opening tag is complete: if anything else comes first (stray
-  text, an unknown tag, the end of the text, `</tool_call>`), the wrapper's raw text is content, so output with
-  no readable call comes back whole as content.
-- A call starts once `NS<invoke name="F">` is complete: its id (`call_` + 24 hex digits) and name are emitted
-  then. Names are not checked against `tools` (as vLLM does): an unknown function's call is kept, with every
-  argument a string; validating or refusing it is the caller's choice.
-- Argument types: a schema's `type` (or type list), `anyOf`/`oneOf`/`allOf` alternatives, or `enum`/`const`
-  values give the allowed types; the text is converted to the first that fits in the order integer, number,
-  boolean, object (JSON), array (JSON), else it stays the string written. Unknown arguments and schemas with no
-  type are strings. `null` text becomes null only where the schema allows null and not string.
-- Readable damage is tolerated: whitespace between elements is dropped; a closing tag of an outer element (or
-  `</tool_call>`) closes the inner ones, a scalar ending its text there; a new `invoke` closes the previous
-  call; NS not followed by a closing tag of an open element is literal text inside a scalar; stray text and
-  unknown tags between elements or invokes come back as content.
-- Truncation (`finish()` with a call open): the call is closed so that its arguments are valid JSON: a string
-  value being streamed keeps what arrived, an element whose value was not complete otherwise is left out, and
-  open objects, arrays and the arguments object are closed. A partial tag at the end is dropped.
+- A wrapper is tentative until its first complete `NS<invoke name="F">`: if anything else comes first (stray
+  text, another tag, `</tool_call>`, the end), its raw text is content, so output without a readable call
+  comes back whole as content.
+- A call starts (id `call_` + 24 hex digits, and name, emitted) once its invoke tag is complete. Names are not
+  checked against `tools`, as in vLLM: an unknown function's call is kept, every argument a string; refusing it
+  is the caller's choice. Without `tools` every call is parsed that way too.
+- Types: a schema's `type` (or list), `anyOf`/`oneOf`/`allOf` alternatives, or `enum`/`const` values give the
+  allowed types; the text becomes the first that fits of integer, number, boolean, object (JSON), array
+  (JSON), else stays the string written. Unknown arguments and typeless schemas are strings; `null` text is
+  null only where the schema allows null and not string.
+- Damage: whitespace between elements is dropped; a closing tag of an outer element (or `</tool_call>`) closes
+  the inner ones; a new invoke closes the open call; NS not starting a closing tag of an open element is text
+  inside a scalar; stray text and unknown tags between elements or invokes are content.
+- Truncation (`finish()` inside a call): the call is closed to valid JSON: a string being streamed keeps what
+  arrived, any other unfinished value is left out, open objects and arrays are closed; a partial tag at the
+  end is dropped. (The caller sees `finish_reason` "length" and may drop the call.)
 """
 from __future__ import annotations
 
@@ -118,11 +115,8 @@ def _partial_suffix(buf: str, start: int, pattern: str) -> int:
     return 0
 
 
-def _skip_ws(buf: str, start: int = 0) -> int:
-    n = len(buf)
-    while start < n and buf[start].isspace():
-        start += 1
-    return start
+def _skip_ws(buf: str) -> int:
+    return len(buf) - len(buf.lstrip())
 
 
 def _read_tag(buf: str, pos: int) -> _Tag | None | object:
@@ -384,13 +378,17 @@ class ToolCallStreamParser:
         self._args("{")
 
     def _find(self, name: str) -> int | None:
-        """Depth of the innermost open element a closing tag `name` closes (`tool_call` closes the call)."""
-        if name == "tool_call":
-            return 0
+        """Depth of the innermost open element a closing tag `name` closes; -1: `tool_call` closes the wrapper
+        (after any argument of that name); None: it closes nothing."""
         for d in range(len(self._stack) - 1, -1, -1):
             if self._stack[d].tag == name:
                 return d
-        return None
+        return -1 if name == "tool_call" else None
+
+    def _close_tag(self, depth: int) -> None:
+        self._close_to(max(depth, 0))
+        if depth < 0:
+            self._state = _TEXT
 
     def _close_to(self, depth: int, truncated: bool = False) -> None:
         while len(self._stack) > depth:
@@ -438,9 +436,7 @@ class ToolCallStreamParser:
         if depth is None:
             return self._stray(tag)
         self._buf = buf[tag.end:]
-        self._close_to(depth)
-        if tag.name == "tool_call":
-            self._state = _TEXT
+        self._close_tag(depth)
         return True
 
     def _pending(self, top: _Frame) -> bool:
@@ -486,9 +482,7 @@ class ToolCallStreamParser:
                 if depth is not None:
                     self._scalar_text(top, buf[:i])
                     self._buf = buf[tag.end:]
-                    self._close_to(depth)
-                    if tag.name == "tool_call":
-                        self._state = _TEXT
+                    self._close_tag(depth)
                     return True
             pos = i + 1
 

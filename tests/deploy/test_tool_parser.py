@@ -332,3 +332,10 @@ def test_random_fragment_soup_never_raises_and_streams_the_same():
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, 4)))
         assert stream([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]) == expected, seed
     assert calls > 150  # the soup does reach the calls
+
+
+def test_arguments_named_like_structural_tags():
+    tools = [fn("f", {"tool_call": {"type": "integer"}, "invoke": {"type": "object"}, "item": {"type": "string"}})]
+    text = wrap(invoke("f", el("tool_call", "1"), el("invoke", el("invoke", "x")), el("item", "y")))
+    assert calls_of(parse_tool_calls(text, tools)) == [("f", '{"tool_call": 1, "invoke": {"invoke": "x"}, "item": "y"}')]
+    assert_stream_equal(text, tools, seeds=3)
