@@ -7,11 +7,13 @@ import json
 import jinja2
 import pytest
 import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from deploy.chat_template_m3 import CHAT_TEMPLATE_M3, arguments_as_objects
-from deploy.reasoning_parser import parse_reasoning, prompt_starts_in_reasoning
-from deploy.tool_parser import NS, parse_tool_calls
+from deploy.reasoning_parser import ReasoningStreamParser, parse_reasoning, prompt_starts_in_reasoning
+from deploy.tool_parser import NS, ToolCallStreamParser, parse_tool_calls
 from workers.tokenizer import Tokenizer
 
 BOS, EOS = "<|bos|>", "<|eos|>"
@@ -131,3 +133,76 @@ def test_the_ingress_tokenizer_renders_it_the_same():
     messages = arguments_as_objects(conversation())
     assert tok.apply_chat_template(messages, tools=TOOLS, enable_thinking=True) == render(
         messages, tools=TOOLS, enable_thinking=True)
+
+
+def stream_turn(pieces: list[str], tools, starts_in_reasoning: bool = False):
+    """The ingress's chain: reasoning split first, its content deltas into the tool parser."""
+    reasoning, tool_parser = ReasoningStreamParser(starts_in_reasoning), ToolCallStreamParser(tools)
+    thought, content, calls = [], [], {}
+
+    def take(delta):
+        content.append(delta.content)
+        for t in delta.tool_calls:
+            calls.setdefault(t.index, [t.name, ""])[1] += t.arguments
+
+    for r in [reasoning.feed(p) for p in pieces] + [reasoning.finish()]:
+        thought.append(r.reasoning)
+        take(tool_parser.feed(r.content))
+    take(tool_parser.finish())
+    return "".join(thought) or None, "".join(content), [(n, json.loads(a)) for n, a in calls.values()]
+
+
+def test_rendered_turn_streamed_through_both_parsers():
+    text = render(arguments_as_objects(conversation()), tools=TOOLS, add_generation_prompt=False)
+    turn = assistant_turns(text)[0]
+    expected = ("Two tools apply.", "Let me check.\n", [(c["name"], without_nulls(c["arguments"])) for c in CALLS])
+    assert stream_turn(list(turn), TOOLS) == expected
+    assert stream_turn([turn], TOOLS) == expected
+    # thinking on: the prompt holds the opening tag, the model writes the rest
+    assert stream_turn(list(turn[len("<mm:think>"):]), TOOLS, starts_in_reasoning=True) == expected
+
+
+KEYS = st.one_of(st.sampled_from(["item", "invoke", "tool_call", "name", "a"]),
+                 st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,7}", fullmatch=True))
+SCALAR_SCHEMAS = st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean")])
+SCHEMAS = st.recursive(SCALAR_SCHEMAS, lambda inner: st.one_of(
+    st.dictionaries(KEYS, inner, max_size=4).map(lambda p: {"type": "object", "properties": p}),
+    inner.map(lambda s: {"type": "array", "items": s})), max_leaves=8)
+
+
+def or_null(values: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.none(), values, values, values)
+
+
+def value_for(schema: dict) -> st.SearchStrategy:
+    """Values a schema allows, nulls included where the model would leave them out."""
+    t = schema["type"]
+    if t == "object":
+        return st.fixed_dictionaries({k: or_null(value_for(s)) for k, s in schema["properties"].items()})
+    if t == "array":
+        return st.lists(or_null(value_for(schema["items"])), max_size=3)
+    return {"string": st.text(max_size=12).filter(lambda v: NS not in v), "integer": st.integers(),
+            "number": st.floats(allow_nan=False, allow_infinity=False), "boolean": st.booleans()}[t]
+
+
+@st.composite
+def tool_and_arguments(draw):
+    props = draw(st.dictionaries(KEYS, SCHEMAS, min_size=1, max_size=4))
+    schema = {"type": "object", "properties": props}
+    return schema, draw(value_for(schema)), draw(st.randoms(use_true_random=False))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tool_and_arguments())
+def test_any_arguments_round_trip_through_template_and_parser(case):
+    schema, arguments, rng = case
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    messages = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": "ok", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}]
+    turn = assistant_turns(render(messages, tools=tools, add_generation_prompt=False))[0]
+    parsed = parse_tool_calls(turn, tools)
+    assert parsed.content == "ok"
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("f", without_nulls(arguments))]
+    cuts = sorted(rng.sample(range(len(turn) + 1), min(len(turn) + 1, 6)))
+    pieces = [turn[a:b] for a, b in zip([0] + cuts, cuts + [len(turn)])]
+    assert stream_turn(pieces, tools) == (None, "ok", [("f", without_nulls(arguments))])
