@@ -339,20 +339,17 @@ class ToolCallStreamParser:
         self._in_stray = tag is None
         return n > 0
 
-    def _skip(self) -> None:
-        """Whitespace between invokes or elements is dropped (not inside stray text, which keeps it)."""
+    def _next_tag(self) -> _Tag | None | object:
+        """Between invokes or elements: drop whitespace (kept inside stray text), then read what follows."""
         if not self._in_stray:
             j = _skip_ws(self._buf)
             if not self._committed:
                 self._raw += self._buf[:j]
             self._buf = self._buf[j:]
+        return _read_tag(self._buf, 0)
 
     def _wrapper(self) -> bool:
-        self._skip()
-        buf = self._buf
-        if not buf:
-            return False
-        tag = _read_tag(buf, 0)
+        tag, buf = self._next_tag(), self._buf
         if tag is _MORE:
             return False
         if tag is not None and tag.kind == "invoke":
@@ -412,11 +409,7 @@ class ToolCallStreamParser:
         parent.count += 1
 
     def _container(self, top: _Frame) -> bool:
-        self._skip()
-        buf = self._buf
-        if not buf:
-            return False
-        tag = _read_tag(buf, 0)
+        tag, buf = self._next_tag(), self._buf
         if tag is _MORE:
             return False
         if tag is None or tag.kind == "other":
