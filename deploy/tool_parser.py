@@ -143,9 +143,10 @@ def _read_tag(buf: str, pos: int) -> _Tag | None | object:
     return _Tag("open" if _NAME.match(segment) else "other", segment, j + 1)
 
 
-def _types(schema: Any) -> dict[str, Any]:
-    """JSON types a schema allows, each with the (sub)schema allowing it; {} when it says nothing of types."""
-    if not isinstance(schema, dict):
+def _types(schema: Any, depth: int = 0) -> dict[str, Any]:
+    """JSON types a schema allows, each with the (sub)schema allowing it; {} when it says nothing of types (or
+    nests alternatives absurdly deep: request data must not reach the recursion limit)."""
+    if not isinstance(schema, dict) or depth > 32:
         return {}
     out: dict[str, Any] = {}
     t = schema.get("type")
@@ -155,7 +156,7 @@ def _types(schema: Any) -> dict[str, Any]:
     for combinator in ("anyOf", "oneOf", "allOf"):
         alternatives = schema.get(combinator)
         for sub in alternatives if isinstance(alternatives, list) else []:
-            for name, s in _types(sub).items():
+            for name, s in _types(sub, depth + 1).items():
                 out.setdefault(name, s)
     if not out:
         if isinstance(schema.get("properties"), dict):
@@ -178,6 +179,10 @@ def _is_string(types: dict[str, Any]) -> bool:
     return not types or set(types) <= {"string", "null"}
 
 
+def _reject(constant: str) -> Any:
+    raise ValueError(constant)
+
+
 def _as_type(kind: str, s: str) -> Any:
     try:
         if kind in ("integer", "number") and _INT.match(s):
@@ -193,7 +198,7 @@ def _as_type(kind: str, s: str) -> Any:
         if kind in ("object", "array"):
             if not s:
                 return {} if kind == "object" else []
-            v = json.loads(s)
+            v = json.loads(s, parse_constant=_reject)  # NaN / Infinity are not JSON
             return v if isinstance(v, dict if kind == "object" else list) else _FAIL
     except (ValueError, RecursionError):
         pass

@@ -113,6 +113,12 @@ def test_text_after_the_wrapper_is_content():
     assert r.content == "A\nB" and len(r.tool_calls) == 2
 
 
+def _deep(schema: dict, depth: int) -> dict:
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
 @pytest.mark.parametrize("schema, text, value", [
     ({"type": "integer"}, " 42\n", 42),
     ({"type": "integer"}, "3.0", 3),
@@ -138,6 +144,9 @@ def test_text_after_the_wrapper_is_content():
     ({"type": "array"}, "[1, 2]", [1, 2]),
     ({"type": "array"}, "", []),
     ({"type": "object"}, "{bad", "{bad"),
+    ({"type": "object"}, '{"a": NaN}', '{"a": NaN}'),
+    (_deep({"type": "integer"}, 2000), "7", "7"),
+    (_deep({"type": "integer"}, 20), "7", 7),
     ({}, "5", "5"),
     (None, "true", "true"),
 ])
