@@ -14,6 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from deploy.chat_template_m3 import CHAT_TEMPLATE_M3, arguments_as_objects
 from deploy.reasoning_parser import ReasoningStreamParser, parse_reasoning, prompt_starts_in_reasoning
 from deploy.tool_parser import NS, ToolCallStreamParser, parse_tool_calls
+from msa.checkpoint import CHAT_TEMPLATE
 from workers.tokenizer import Tokenizer
 
 BOS, EOS = "<|bos|>", "<|eos|>"
@@ -36,7 +37,7 @@ CALLS = [
 ]
 
 
-def render(messages, **kwargs) -> str:
+def render(messages, template: str = CHAT_TEMPLATE_M3, **kwargs) -> str:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
 
@@ -44,7 +45,7 @@ def render(messages, **kwargs) -> str:
         raise jinja2.exceptions.TemplateError(message)
 
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(CHAT_TEMPLATE_M3).render(
+    return env.from_string(template).render(
         messages=messages, bos_token=BOS, eos_token=EOS, add_generation_prompt=kwargs.pop("add_generation_prompt", True),
         **{"tools": None, **kwargs})
 
@@ -206,3 +207,16 @@ def test_any_arguments_round_trip_through_template_and_parser(case):
     cuts = sorted(rng.sample(range(len(turn) + 1), min(len(turn) + 1, 6)))
     pieces = [turn[a:b] for a, b in zip([0] + cuts, cuts + [len(turn)])]
     assert stream_turn(pieces, tools) == (None, "ok", [("f", without_nulls(arguments))])
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": [{"type": "text", "text": "Again"}]}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "system", "content": "c"}],
+])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_plain_chats_render_as_the_tiny_models_template_does(messages, add_generation_prompt):
+    """Without tools, tool calls or reasoning, the M3 template is a drop-in for msa.checkpoint.CHAT_TEMPLATE."""
+    assert render(messages, add_generation_prompt=add_generation_prompt) == render(
+        messages, CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt)
