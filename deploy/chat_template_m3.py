@@ -83,7 +83,9 @@ CHAT_TEMPLATE_M3 = r"""
         {%- if f['arguments'] is string -%}
           {{- raise_exception('tool_calls: function.arguments must be an object here; parse its JSON first') -}}
         {%- endif -%}
-        {{- NS ~ '<invoke name="' ~ f['name'] ~ '">' -}}{{- render_value(f['arguments']) -}}{{- NS ~ '</invoke>\n' -}}
+        {{- NS ~ '<invoke name="' ~ f['name'] ~ '">' -}}
+        {%- if f['arguments'] is mapping -%}{{- render_value(f['arguments']) -}}{%- endif -%}
+        {{- NS ~ '</invoke>\n' -}}
       {%- endfor -%}
       {{- NS ~ '</tool_call>' -}}
     {%- endif -%}

@@ -106,6 +106,11 @@ def test_exact_rendering():
         f"{NS}</b>{NS}</item>{NS}</a>{NS}</invoke>\n{NS}</tool_call>{EOS}\n"
         f"<|tool|>\nok{EOS}\n<|assistant|>\n")
     assert render([{"role": "user", "content": "Hi"}]) == f"{BOS}<|user|>\nHi{EOS}\n<|assistant|>\n"
+    no_arguments = [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": None}}, {"function": {"name": "g"}}]}]
+    assert render(no_arguments, add_generation_prompt=False) == (
+        f'{BOS}<|assistant|>\n{NS}<tool_call>\n{NS}<invoke name="f">{NS}</invoke>\n{NS}<invoke name="g">{NS}</invoke>\n'
+        f"{NS}</tool_call>{EOS}\n")
 
 
 def test_thinking_switch_and_old_reasoning_dropped():
