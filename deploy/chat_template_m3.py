@@ -49,20 +49,24 @@ CHAT_TEMPLATE_M3 = r"""
 {{- bos_token -}}
 {%- set first = 1 if messages and messages[0]['role'] == 'system' else 0 -%}
 {%- set state = namespace(last_user=-1) -%}
-{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set state.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+  {%- if m['role'] == 'user' -%}{%- set state.last_user = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
 {%- if first or tools -%}
   {{- '<|system|>\n' -}}
   {%- if first -%}{{- render_content(messages[0]['content']) -}}{%- endif -%}
   {%- if tools -%}
     {{- '\n\n' if first else '' -}}
-    {{- '# Tools\nYou may call one or more of these functions, whose definitions follow as JSON, one per line:\n<tools>\n' -}}
+    {{- '# Tools\nYou may call one or more of these functions, ' -}}
+    {{- 'whose definitions follow as JSON, one per line:\n<tools>\n' -}}
     {%- for tool in tools -%}
       {{- (tool['function'] if tool['function'] is defined else tool) | tojson -}}{{- '\n' -}}
     {%- endfor -%}
     {{- '</tools>\nTo call functions, end your answer with:\n' -}}
     {{- NS ~ '<tool_call>\n' ~ NS ~ '<invoke name="FUNCTION">' ~ NS ~ '<ARGUMENT>value' ~ NS ~ '</ARGUMENT>' -}}
     {{- NS ~ '</invoke>\n' ~ NS ~ '</tool_call>\n' -}}
-    {{- 'with one invoke per call. Write objects as nested elements, lists as ' ~ NS ~ '<item> elements, and leave out null values.' -}}
+    {{- 'with one invoke per call. Write objects as nested elements, lists as ' ~ NS ~ '<item> elements, ' -}}
+    {{- 'and leave out null values.' -}}
   {%- endif -%}
   {{- eos_token ~ '\n' -}}
 {%- endif -%}

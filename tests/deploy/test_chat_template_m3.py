@@ -46,7 +46,8 @@ def render(messages, template: str = CHAT_TEMPLATE_M3, **kwargs) -> str:
 
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template).render(
-        messages=messages, bos_token=BOS, eos_token=EOS, add_generation_prompt=kwargs.pop("add_generation_prompt", True),
+        messages=messages, bos_token=BOS, eos_token=EOS,
+        add_generation_prompt=kwargs.pop("add_generation_prompt", True),
         **{"tools": None, **kwargs})
 
 
@@ -85,7 +86,8 @@ def test_rendered_tool_calls_and_reasoning_parse_back_to_the_same():
     assert parsed.content == "Let me check.\n"
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
         (c["name"], without_nulls(c["arguments"])) for c in CALLS]
-    assert (parse_reasoning(second).reasoning, parse_reasoning(second).content) == ("Both done.", "Sunny; trip planned.")
+    last = parse_reasoning(second)
+    assert (last.reasoning, last.content) == ("Both done.", "Sunny; trip planned.")
     assert parse_tool_calls(second, TOOLS).tool_calls == ()
 
 
@@ -129,8 +131,9 @@ def test_arguments_must_be_objects_and_roles_known():
         render([{"role": "critic", "content": "x"}])
     with pytest.raises(ValueError):
         arguments_as_objects([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}])
-    assert arguments_as_objects([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": " "}}]}]
-                                ) == [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
+    blank = [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": " "}}]}]
+    assert arguments_as_objects(blank) == [
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]
 
 
 def test_the_ingress_tokenizer_renders_it_the_same():
@@ -204,7 +207,8 @@ def test_any_arguments_round_trip_through_template_and_parser(case):
     schema, arguments, rng = case
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
     messages = [{"role": "user", "content": "go"},
-                {"role": "assistant", "content": "ok", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}]
+                {"role": "assistant", "content": "ok",
+                 "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}]
     turn = assistant_turns(render(messages, tools=tools, add_generation_prompt=False))[0]
     parsed = parse_tool_calls(turn, tools)
     assert parsed.content == "ok"

@@ -51,7 +51,8 @@ FULL = "Let me check.\n" + wrap(
            el("limit", "5")))
 FULL_CALLS = [
     ("get_weather", '{"city": "Paris", "days": 3, "metric": true, "lat": 48.85}'),
-    ("book", '{"trip": {"from": "Gare \\"du\\" Nord\\\\", "seats": 2, "legs": [{"day": 1}, {"day": 2, "flex": false}]}}'),
+    ("book", '{"trip": {"from": "Gare \\"du\\" Nord\\\\", "seats": 2, '
+             '"legs": [{"day": 1}, {"day": 2, "flex": false}]}}'),
     ("search", '{"q": "rain ] < [ 雨", "filters": ["news", "blogs"], "limit": 5}'),
 ]
 
@@ -192,7 +193,8 @@ def test_no_tools_and_unknown_names_and_arguments_are_kept_as_strings():
 
 
 def test_call_with_no_arguments_and_whitespace_between_elements():
-    text = f'{NS}<tool_call>{NS}<invoke name="now">\n{NS}</invoke>{NS}<invoke name="f">\n  {el("a", "x")}\n{NS}</invoke>{NS}</tool_call>'
+    text = (f'{NS}<tool_call>{NS}<invoke name="now">\n{NS}</invoke>'
+            f'{NS}<invoke name="f">\n  {el("a", "x")}\n{NS}</invoke>{NS}</tool_call>')
     assert calls_of(parse_tool_calls(text)) == [("now", "{}"), ("f", '{"a": "x"}')]
     assert parse_tool_calls(text).content == ""
 
@@ -232,7 +234,8 @@ def test_damaged_calls_are_read_where_readable():
         (SPEC_EXAMPLE + "\n" + wrap(invoke("f")), "\n",
          [("get_weather", '{"city": "Paris"}'), ("search", '{"q": "rain", "filters": ["news"]}'), ("f", "{}")]),
         # </tool_call> inside an element closes everything
-        (f'{NS}<tool_call>{NS}<invoke name="f">{NS}<o>{NS}<a>1{NS}</tool_call>tail', "tail", [("f", '{"o": {"a": "1"}}')]),
+        (f'{NS}<tool_call>{NS}<invoke name="f">{NS}<o>{NS}<a>1{NS}</tool_call>tail', "tail",
+         [("f", '{"o": {"a": "1"}}')]),
         # single-quoted invoke name, whitespace after an opening tag before nested XML
         (wrap(f"{NS}<invoke name='f'>{NS}<o>\n {el('k', 'v')}{NS}</o>{NS}</invoke>"), "", [("f", '{"o": {"k": "v"}}')]),
     ]
@@ -303,7 +306,8 @@ def test_streaming_sends_string_values_as_they_arrive():
     parser = ToolCallStreamParser(TOOLS)
     head = parser.feed(f'Hi{NS}<tool_call>\n{NS}<invoke name="get_weather">{NS}<city>Par')
     assert head.content == "Hi"
-    assert [(d.index, d.name, d.arguments) for d in head.tool_calls] == [(0, "get_weather", ""), (0, None, '{"city": "Par')]
+    assert [(d.index, d.name, d.arguments) for d in head.tool_calls] == [
+        (0, "get_weather", ""), (0, None, '{"city": "Par')]
     held = parser.feed("is]<]mini")  # "]<]mini" may start a tag: held
     assert [d.arguments for d in held.tool_calls] == ["is"]
     assert [d.arguments for d in parser.feed(f"max[>[</city>{NS}<days>1").tool_calls] == ['"']
@@ -346,5 +350,6 @@ def test_random_fragment_soup_never_raises_and_streams_the_same():
 def test_arguments_named_like_structural_tags():
     tools = [fn("f", {"tool_call": {"type": "integer"}, "invoke": {"type": "object"}, "item": {"type": "string"}})]
     text = wrap(invoke("f", el("tool_call", "1"), el("invoke", el("invoke", "x")), el("item", "y")))
-    assert calls_of(parse_tool_calls(text, tools)) == [("f", '{"tool_call": 1, "invoke": {"invoke": "x"}, "item": "y"}')]
+    assert calls_of(parse_tool_calls(text, tools)) == [
+        ("f", '{"tool_call": 1, "invoke": {"invoke": "x"}, "item": "y"}')]
     assert_stream_equal(text, tools, seeds=3)
