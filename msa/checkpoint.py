@@ -30,6 +30,7 @@ from typing import Iterator
 
 import torch
 
+from msa import chat_template
 from msa.config import M3Config
 
 HUB = "hub"
@@ -323,25 +324,10 @@ def write_weights(config: M3Config, out_dir: str | Path, *, seed: int = 0, layou
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 
-# Turn format: <|bos|> then, per message, <|role|>\n{text}<|eos|>\n; the generation prompt is <|assistant|>\n.
-# The end-of-turn token is EOS itself, so a model that ends its turn stops generation.
-# `content` may be a string or an OpenAI-style list of parts ({"type": "text", "text": ...}).
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    "{{- '<|' ~ message['role'] ~ '|>\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{{- eos_token ~ '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
-)
+# The chat template (msa/chat_template.py): the MiniMax-M3 format with these role tokens. A plain turn is
+# <|role|>\n{text}<|eos|>\n after one <|bos|>; the generation prompt is <|assistant|>\n. The end-of-turn token is
+# EOS itself, so a model that ends its turn stops generation.
+CHAT_TEMPLATE = chat_template.CHAT_TEMPLATE
 
 # A small mixed corpus the BPE merges are learned from: English prose, code, numbers and some non-Latin text,
 # so common words become single tokens while everything else falls back to bytes.

@@ -1,4 +1,4 @@
-"""The proposed M3-format chat template (deploy/chat_template_m3.py): rendered in jinja2's sandbox as the ingress
+"""The tiny model's M3-format chat template (msa/chat_template.py): rendered in jinja2's sandbox as the ingress
 renders it, its assistant turns parse back with the tool and reasoning parsers to the same calls."""
 from __future__ import annotations
 
@@ -11,13 +11,31 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from deploy.chat_template_m3 import CHAT_TEMPLATE_M3, arguments_as_objects
+from deploy.chat import arguments_as_objects
 from deploy.reasoning_parser import ReasoningStreamParser, parse_reasoning, prompt_starts_in_reasoning
 from deploy.tool_parser import NS, ToolCallStreamParser, parse_tool_calls
-from msa.checkpoint import CHAT_TEMPLATE
+from msa.chat_template import CHAT_TEMPLATE as CHAT_TEMPLATE_M3
 from workers.tokenizer import Tokenizer
 
 BOS, EOS = "<|bos|>", "<|eos|>"
+# The tiny model's plain template before issue 20, frozen here: plain chats must still render exactly this, or
+# every existing prompt (and every greedy output the tests compare) would change.
+PLAIN_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{{- raise_exception('unknown chat role: ' ~ message['role']) -}}"
+    "{%- endif -%}"
+    "{{- '<|' ~ message['role'] ~ '|>\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- elif message['content'] is not none -%}"
+    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- eos_token ~ '\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
+)
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather <now> & later", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
@@ -226,6 +244,6 @@ def test_any_arguments_round_trip_through_template_and_parser(case):
 ])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_plain_chats_render_as_the_tiny_models_template_does(messages, add_generation_prompt):
-    """Without tools, tool calls or reasoning, the M3 template is a drop-in for msa.checkpoint.CHAT_TEMPLATE."""
+    """Without tools, tool calls or reasoning, the M3 template renders what the plain template rendered."""
     assert render(messages, add_generation_prompt=add_generation_prompt) == render(
-        messages, CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt)
+        messages, PLAIN_TEMPLATE, add_generation_prompt=add_generation_prompt)

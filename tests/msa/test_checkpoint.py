@@ -390,8 +390,14 @@ def test_auto_tokenizer_loads_and_renders_the_chat_template(hub_dir, tok, cfg):
     ids = auto.encode(rendered, add_special_tokens=False)
     assert ids[0] == special.bos_id and ids.count(special.eos_id) == 4
     assert special.role_ids["user"] in ids and ids[-2] == special.role_ids["assistant"]
+    # Tool results are a turn of their own (issue 20: the M3 template, msa/chat_template.py); <|tool|> is text,
+    # not a special token, so the vocabulary stays as it was. Unknown roles are still refused.
+    tool_turn = auto.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False,
+                                         add_generation_prompt=False)
+    assert tool_turn == "<|bos|><|tool|>\nx<|eos|>\n"
+    assert auto.convert_tokens_to_ids("<|tool|>") in (None, auto.unk_token_id)
     with pytest.raises(Exception, match="unknown chat role"):
-        auto.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        auto.apply_chat_template([{"role": "wizard", "content": "x"}], tokenize=False)
 
 
 def test_chat_template_renders_with_plain_jinja2():

@@ -1,30 +1,29 @@
-"""A chat template in the MiniMax-M3 format for the built-in tiny model, proposed to replace
-`msa.checkpoint.CHAT_TEMPLATE` (issue 20) so tools, tool calls and reasoning are rendered and parsed in the
-released checkpoint's syntax (../shared/M3_SPEC.md section 7) in tests.
+"""The chat template the built-in tiny model's checkpoint carries (`msa.checkpoint.write_tokenizer`): the
+MiniMax-M3 format (../shared/M3_SPEC.md section 7) with the tiny vocabulary's role tokens, so tools, tool calls
+and reasoning are rendered by the checkpoint and parsed back (`deploy.tool_parser`, `deploy.reasoning_parser`)
+exactly as with the released model.
 
-Jinja2 source, rendered in the sandbox the ingress uses (`workers.tokenizer`: ImmutableSandboxedEnvironment,
-trim_blocks, lstrip_blocks, a `tojson` that does not HTML-escape, `raise_exception`). It keeps the tiny model's
-role tokens (`<|system|>`, `<|user|>`, `<|assistant|>`, bos/eos) and adds:
+Jinja2 source for Hugging Face-style sandboxed rendering (ImmutableSandboxedEnvironment, trim_blocks,
+lstrip_blocks, a `tojson` that does not HTML-escape, `raise_exception`; `workers.tokenizer` and
+`transformers.AutoTokenizer` both render it). Plain chats (system/user/assistant text, no tools) render byte for
+byte what the earlier plain template rendered: `<|bos|>`, then per message `<|role|>\n{text}<|eos|>\n`, then the
+generation prompt `<|assistant|>\n`; the end-of-turn token is EOS itself, so a model that ends its turn stops.
+On top of that:
 - `tools` (OpenAI tool dicts): listed in the system turn, one function definition as JSON per line, with the
   call syntax spelled out.
 - assistant `tool_calls`: after the content, one `NS<tool_call>` wrapper holding an `NS<invoke name="F">` per
   call; each argument an element named after it, objects as nested elements, lists as `NS<item>` elements,
   booleans as true/false, null values (and null list items) left out. `function.arguments` must be an object:
-  OpenAI clients send a JSON string, so the ingress parses it first (`arguments_as_objects`), as vLLM does.
-- `tool` messages: a `<|tool|>` turn holding the result (not a special token of the tiny vocabulary).
+  OpenAI clients send a JSON string, so the caller parses it first, as vLLM does.
+- `tool` messages: a `<|tool|>` turn holding the result. `<|tool|>` is plain text here, not a special token:
+  adding one would move the ids of the tiny vocabulary.
 - reasoning: an assistant message's `reasoning_content` is rendered as `<mm:think>...</mm:think>` before its
   content when it follows the last user message (the current tool loop); older reasoning is dropped.
 - `enable_thinking` (a `chat_template_kwargs` key, default off): the generation prompt ends in `<mm:think>`,
-  so the model starts inside reasoning (`deploy.reasoning_parser.prompt_starts_in_reasoning` sees it).
-Rendered past turns parse back with `deploy.tool_parser` and `deploy.reasoning_parser` to the same calls,
-content and reasoning.
+  so the model starts inside reasoning.
 """
-from __future__ import annotations
 
-import json
-from typing import Any
-
-CHAT_TEMPLATE_M3 = r"""
+CHAT_TEMPLATE = r"""
 {%- set NS = ']<]minimax[>[' -%}
 {%- macro render_value(v) -%}
   {%- if v is mapping -%}
@@ -103,24 +102,3 @@ CHAT_TEMPLATE_M3 = r"""
   {%- if enable_thinking is defined and enable_thinking -%}{{- '<mm:think>' -}}{%- endif -%}
 {%- endif -%}
 """
-
-
-def arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages whose assistant `tool_calls[*].function.arguments` JSON strings are parsed into objects (the
-    template renders objects). A string that is not a JSON object raises ValueError (a 400 for the caller)."""
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if calls:
-            parsed = []
-            for call in calls:
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    value = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-                    if not isinstance(value, dict):
-                        raise ValueError("tool_calls: function.arguments must be a JSON object")
-                    fn["arguments"] = value
-                parsed.append({**call, "function": fn})
-            m = {**m, "tool_calls": parsed}
-        out.append(m)
-    return out
