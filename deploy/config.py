@@ -87,6 +87,9 @@ class ServeConfig:
     http: HttpConfig = field(default_factory=HttpConfig)
     ingress_replicas: int = 1
     router_replicas: int = 1
+    # chat template variables for every chat request (e.g. {"enable_thinking": true}); a request's
+    # `chat_template_kwargs` are merged over them
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def groups(self) -> dict[Role, GroupConfig]:
         """The engine groups this config runs, by role."""

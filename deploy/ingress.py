@@ -26,12 +26,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from deploy import chat
 from deploy.config import ServeConfig
 from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
-    ChatResponseMessage, ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
     EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect, TopLogprob,
-    UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, sse_event,
+    UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, sse_event, unknown_fields,
 )
 from deploy.streaming import EventQueue
 from workers.request import SamplingParams
@@ -189,6 +190,7 @@ class _Prepared:
     return_token_ids: bool = False
     echo: bool = False
     top_n: int | None = None  # logprobs requested (top-N); None = no logprobs
+    output: chat.OutputSpec | None = None  # chat: how to split reasoning and tool calls from the text
 
     def engine_requests(self) -> list[EngineRequest]:
         return [EngineRequest(request_id=f"{self.id}-{i}", prompt_token_ids=ids, params=self.params, prompt=text)
@@ -569,6 +571,7 @@ class Ingress:
         self._api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         self._max_model_len = config.engine.max_model_len
         self._ready = False
+        self._log_unknown = chat.UnknownFieldLog(logger)
         self._tokenizer = None
         self._tokenizer_error: str | None = None
         try:
@@ -695,6 +698,7 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_auth(request)
+        self._log_unknown(unknown_fields(body))
         model = self._check_model(body.model)
         await self._check_ready()
         prep = self._prepare_completion(body, model)
@@ -707,6 +711,7 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_auth(request)
+        self._log_unknown(unknown_fields(body))
         model = self._check_model(body.model)
         await self._check_ready()
         prep = self._prepare_chat(body, model)
@@ -760,13 +765,11 @@ class Ingress:
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise ApiError(400, f"top_logprobs: must be in [0, 20], got {body.top_logprobs}", param="top_logprobs",
                            code="invalid_value")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
-        except Exception as e:  # jinja2 template errors (e.g. roles out of order) are the client's to fix
-            raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages",
-                           code="invalid_value") from None
+            rendered = chat.render_chat(self._tokenizer, body, self._config.chat_template_kwargs)
+        except chat.ChatRequestError as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        text = rendered.text
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -776,7 +779,7 @@ class Ingress:
         return _Prepared(id=new_id("chatcmpl"), model=model, prompts=[ids], prompt_texts=[text], params=params,
                          stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
-                         return_token_ids=body.return_token_ids, top_n=top_n)
+                         return_token_ids=body.return_token_ids, top_n=top_n, output=rendered.spec)
 
     # -- talking to the router ------------------------------------------------------------------------------
     async def _start(self, prep: _Prepared) -> list[_Stream]:
@@ -870,8 +873,9 @@ class Ingress:
             logprobs = None
             if prep.top_n is not None:
                 logprobs = chat_logprobs(c.token_ids, c.logprobs, prep.top_n, self._text_of)
-            out.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=logprobs,
-                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+            message, finish_reason = chat.response_message(c.text, prep.output, c.finish_reason)
+            out.append(ChatChoice(index=c.index, message=message, logprobs=logprobs,
+                                  finish_reason=finish_reason, stop_reason=c.stop_reason,
                                   token_ids=c.token_ids if prep.return_token_ids else None))
         completion_tokens = sum(len(c.token_ids) for c in choices)
         return ChatCompletionResponse(id=prep.id, model=prep.model, choices=out,
@@ -919,14 +923,18 @@ class Ingress:
         # OpenAI opens each choice with the assistant role and empty content.
         opening = [chat_chunk_choice(index=i, role="assistant", content="") for i in range(prep.params.n)]
         yield enc.event(opening, None, prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None)
+        splitters = [chat.ChatStreamSplitter(prep.output or chat.OutputSpec()) for _ in range(prep.params.n)]
         async for _, chunk in _merge(streams):
             for s in chunk.samples:
                 generated += len(s.token_ids)
                 logprobs = None
                 if prep.top_n is not None:
                     logprobs = chat_logprobs(s.token_ids, s.logprobs or [], prep.top_n, self._text_of)
-                choice = chat_chunk_choice(index=s.index, content=s.text, logprobs=logprobs,
-                                           finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                split = splitters[s.index]
+                piece = split.feed(s.text, final=s.finish_reason is not None)
+                choice = chat_chunk_choice(index=s.index, **piece.delta_fields(), logprobs=logprobs,
+                                           finish_reason=chat.finish_reason(s.finish_reason, split.made_calls),
+                                           stop_reason=s.stop_reason,
                                            token_ids=s.token_ids if prep.return_token_ids else None)
                 usage = _usage(prompt_tokens, generated) if prep.continuous_usage and prep.include_usage else None
                 yield enc.event([choice], usage, prompt_token_ids=None)

@@ -1,8 +1,9 @@
 """Wire types: the OpenAI-compatible HTTP schemas (pydantic) and the plain messages between deployments.
 
 HTTP request bodies are validated here; numeric ranges of sampling fields are checked once, by
-`workers.request.SamplingParams`, whose errors already name the field. Unknown body fields are rejected (400
-naming the field) rather than silently ignored, except a few harmless OpenAI fields listed explicitly.
+`workers.request.SamplingParams`, whose errors already name the field. Unknown body fields are accepted and
+ignored, as vLLM does (OpenAI adds fields faster than servers follow; clients send them): `unknown_fields` names
+them so the ingress can log each name once.
 
 Below the ingress everything is token ids: `EngineRequest` goes down, `EngineChunk` (token/text deltas) or
 `EngineError` comes back up through the router. Those are dataclasses, not pydantic: they never touch HTTP.
@@ -54,8 +55,22 @@ ERROR_TYPES = {
 
 
 class _Body(BaseModel):
-    # Reject unknown fields so a typo (`max_token`) is a 400 naming it, not a silent default.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields are kept aside (`model_extra`), not refused: `unknown_fields` lists them for the log.
+    model_config = ConfigDict(extra="allow")
+
+
+def unknown_fields(body: BaseModel, prefix: str = "") -> list[str]:
+    """Dotted names of the fields `body` ignored, nested bodies included; list items as `*` (`messages.*.foo`),
+    so each name is one log line however many messages carry it."""
+    out = [prefix + k for k in (body.model_extra or {})]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        sub = f"{prefix}{name}.*." if isinstance(value, list) else f"{prefix}{name}."
+        for item in items:
+            if isinstance(item, BaseModel):
+                out += [n for n in unknown_fields(item, sub) if n not in out]
+    return out
 
 
 class StreamOptions(_Body):
@@ -105,11 +120,47 @@ class TextContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    """A past call in an assistant message: `arguments` as OpenAI sends it (a JSON object as text), or an
+    object."""
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # tool messages: the call this result answers
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages: the calls it made
+    reasoning_content: str | None = None  # assistant messages: rendered back in the current tool loop
 
     def text(self) -> str:
         if self.content is None:
@@ -128,6 +179,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM extra: render the assistant prefix after the last message
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it writes
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": true}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -189,9 +244,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    """A call the model made: `function.arguments` is a JSON object as text. Streamed, the first piece of a call
+    carries `id`, `type` and `function.name`; later pieces carry `index` and argument fragments only."""
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -216,6 +287,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -297,10 +370,12 @@ def completion_choice(*, index: int, text: str, logprobs: CompletionLogprobs | N
 
 
 def chat_chunk_choice(*, index: int, content: str | None, role: str | None = None,
+                      reasoning_content: str | None = None, tool_calls: list[dict] | None = None,
                       logprobs: ChatLogprobs | None = None, finish_reason: str | None = None,
                       stop_reason: int | str | None = None, token_ids: list[int] | None = None) -> dict:
-    """A `ChatChunkChoice` as the dict `ChunkEncoder` writes."""
-    return {"index": index, "delta": {"role": role, "content": content}, "logprobs": _logprobs_json(logprobs),
+    """A `ChatChunkChoice` as the dict `ChunkEncoder` writes (`tool_calls`: `ToolCallOut` dicts)."""
+    delta = {"role": role, "content": content, "reasoning_content": reasoning_content, "tool_calls": tool_calls}
+    return {"index": index, "delta": delta, "logprobs": _logprobs_json(logprobs),
             "finish_reason": finish_reason, "stop_reason": stop_reason, "token_ids": token_ids}
 
 

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import msa.chat_template
 import msa.checkpoint
 from msa.checkpoint import HUB, write_checkpoint
 from msa.config import M3Config
@@ -50,6 +51,7 @@ def _cache_key(preset: str, seed: int, layout: str) -> str:
     h.update(preset_path("models", preset).read_bytes())
     h.update(f"seed={seed};layout={layout}".encode())
     h.update(Path(msa.checkpoint.__file__).read_bytes())
+    h.update(Path(msa.chat_template.__file__).read_bytes())  # the checkpoint writes this template
     return h.hexdigest()[:16]
 
 

@@ -44,13 +44,14 @@ def _chat(app, **fields):
     return {"model": app.model, "messages": [{"role": "user", "content": "hi"}], **fields}
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 # (name, path, body builder, expected status, param, code)
 CASES = [
     ("negative temperature", "/v1/completions", lambda a: _completion(a, temperature=-1), 400, "temperature", None),
     ("top_p zero", "/v1/chat/completions", lambda a: _chat(a, top_p=0), 400, "top_p", None),
     ("n zero", "/v1/completions", lambda a: _completion(a, n=0), 400, "n", None),
     ("logprobs too many", "/v1/completions", lambda a: _completion(a, logprobs=50), 400, "logprobs", None),
-    ("misspelt field", "/v1/completions", lambda a: _completion(a, max_token=3), 400, "max_token", None),
     ("wrong type", "/v1/completions", lambda a: _completion(a, max_tokens="ten"), 400, "max_tokens", None),
     ("zero max_tokens", "/v1/completions", lambda a: _completion(a, max_tokens=0), 400, "max_tokens", None),
     ("no messages", "/v1/chat/completions", lambda a: _chat(a, messages=[]), 400, "messages", None),
@@ -67,6 +68,16 @@ CASES = [
      lambda a: _chat(a, messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages",
      "context_length_exceeded"),
     ("unknown model", "/v1/completions", lambda a: _completion(a, model="gpt-17"), 404, "model", "model_not_found"),
+    ("tool_choice required", "/v1/chat/completions",
+     lambda a: _chat(a, tools=[_TOOL], tool_choice="required"), 400, "tool_choice", "unsupported"),
+    ("tool without function", "/v1/chat/completions", lambda a: _chat(a, tools=[{"type": "function"}]), 400,
+     "tools.0.function", None),
+    ("tool call arguments not an object", "/v1/chat/completions", lambda a: _chat(a, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]), 400, "messages",
+     None),
+    ("reserved template kwarg", "/v1/chat/completions",
+     lambda a: _chat(a, chat_template_kwargs={"add_generation_prompt": False}), 400, "chat_template_kwargs", None),
 ]
 
 
@@ -75,6 +86,20 @@ def test_error_case(serve_app, name, path, build, status, param, code):
     r = httpx.post(f"{serve_app.base_url}{path}", json=build(serve_app), headers=serve_app.headers, timeout=60)
     assert_openai_error(r, status, param=param, code=code)
     still_serves(serve_app)
+
+
+def test_unknown_fields_are_ignored_not_refused(serve_app):
+    """As vLLM: a field this server does not know (a newer OpenAI field, or a typo such as `max_token`) is
+    ignored and named once in the log, instead of failing clients that send it."""
+    r = httpx.post(f"{serve_app.base_url}/v1/completions", headers=serve_app.headers, timeout=60,
+                   json={"model": serve_app.model, "prompt": "hello", "max_token": 3, "temperature": 0,
+                         "ignore_eos": True, "reasoning_effort": "low"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens, not the misspelt 3
+    r = httpx.post(f"{serve_app.base_url}/v1/chat/completions", headers=serve_app.headers, timeout=60,
+                   json=_chat(serve_app, max_tokens=2, messages=[{"role": "user", "content": "hi", "x_meta": 1}],
+                              metadata={"a": "b"}, store=False))
+    assert r.status_code == 200, r.text
 
 
 def test_malformed_json_unknown_route_and_auth(serve_app):
