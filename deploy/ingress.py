@@ -26,13 +26,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import chat
+from deploy import chat, extras
 from deploy.config import ServeConfig
 from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
     ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect, TopLogprob,
-    UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, sse_event, unknown_fields,
+    DetokenizeRequest, EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList,
+    Redirect, TokenizeChatRequest, TokenizeCompletionRequest, TopLogprob, UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, sse_event, unknown_fields,
 )
 from deploy.streaming import EventQueue
 from workers.request import SamplingParams
@@ -75,6 +75,12 @@ app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3
 @app.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
     return exc.response()
+
+
+@app.exception_handler(chat.ChatRequestError)
+async def _chat_request_error(_: Request, exc: chat.ChatRequestError) -> JSONResponse:
+    """A request deploy/chat.py or deploy/extras.py cannot serve as asked: 400 naming the field."""
+    return ApiError(400, str(exc), param=exc.param, code=exc.code).response()
 
 
 @app.exception_handler(RequestValidationError)
@@ -203,13 +209,15 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def _build_params(body: Any, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+def _build_params(body: Any, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+                  defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """`defaults` (generation_config.json's) fill the sampling fields the request left out."""
     given = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,
     }
-    kwargs = {k: v for k, v in given.items() if v is not None}
+    kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
         return SamplingParams(
             n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens, seed=body.seed,
@@ -573,11 +581,13 @@ class Ingress:
         self._ready = False
         self._log_unknown = chat.UnknownFieldLog(logger)
         self._tokenizer = None
+        self._sampling_defaults: dict[str, Any] = {}
         self._tokenizer_error: str | None = None
         try:
             from workers.tokenizer import Tokenizer
 
             self._tokenizer = Tokenizer.from_dir(model_dir)
+            self._sampling_defaults = extras.sampling_defaults(model_dir)
             self._text_of = _TokenText(self._tokenizer)
         except Exception as e:  # served as 503 with the reason, not a crash loop
             logger.exception("tokenizer failed to load from %s", model_dir)
@@ -661,7 +671,7 @@ class Ingress:
                            code="invalid_value")
 
     # -- routes ---------------------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> JSONResponse:
         state = await self._readiness()
         if state["ready"]:
@@ -673,6 +683,35 @@ class Ingress:
         self._check_auth(request)
         card = ModelCard(id=self._model_name, root=self._model_dir, max_model_len=self._max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        self._check_auth(request)
+        self._check_model(model_id)
+        card = ModelCard(id=self._model_name, root=self._model_dir, max_model_len=self._max_model_len)
+        return JSONResponse(card.model_dump(mode="json"))
+
+    @app.get("/version")
+    async def version(self) -> JSONResponse:
+        return JSONResponse({"version": extras.server_version()})
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request):
+        """vLLM's /tokenize: a prompt, or messages rendered as chat completions renders them."""
+        self._check_auth(request)
+        self._log_unknown(unknown_fields(body))
+        self._check_model(body.model)
+        await self._check_ready()  # max_model_len is the engines' (known once they loaded)
+        return JSONResponse(extras.tokenize(self._tokenizer, body, self._config.chat_template_kwargs,
+                                            self._max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest, request: Request):
+        self._check_auth(request)
+        self._log_unknown(unknown_fields(body))
+        self._check_model(body.model)
+        await self._check_ready()
+        return JSONResponse(extras.detokenize(self._tokenizer, body))
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
@@ -749,7 +788,8 @@ class Ingress:
             ids_list.append(ids)
         effective = [self._check_prompt(ids, max_tokens, "prompt", "max_tokens") for ids in ids_list]
         params = _build_params(body, max_tokens=min(effective), logprobs=body.logprobs,
-                               prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+                               prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
+                               defaults=self._sampling_defaults)
         # One max_tokens for all prompts when the client gave none: the tightest prompt's room. A client that
         # sets max_tokens gets exactly it (validated above for each prompt).
         return _Prepared(id=new_id("cmpl"), model=model, prompts=ids_list, prompt_texts=texts, params=params,
@@ -765,17 +805,15 @@ class Ingress:
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
             raise ApiError(400, f"top_logprobs: must be in [0, 20], got {body.top_logprobs}", param="top_logprobs",
                            code="invalid_value")
-        try:
-            rendered = chat.render_chat(self._tokenizer, body, self._config.chat_template_kwargs)
-        except chat.ChatRequestError as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        rendered = chat.render_chat(self._tokenizer, body, self._config.chat_template_kwargs)  # 400s: handler above
         text = rendered.text
         ids = self._tokenizer.encode(text, add_special_tokens=False)
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages", max_name)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        params = _build_params(body, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=None)
+        params = _build_params(body, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=None,
+                               defaults=self._sampling_defaults)
         return _Prepared(id=new_id("chatcmpl"), model=model, prompts=[ids], prompt_texts=[text], params=params,
                          stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),

@@ -186,6 +186,35 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# vLLM's /tokenize and /detokenize requests (answered by deploy/extras.py)
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Body):
+    """Rendered as `/v1/chat/completions` renders it (same template, tools and kwargs), then tokenized."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Responses
 
 
@@ -336,9 +365,16 @@ class ModelList(BaseModel):
 
 
 def sse_event(payload: BaseModel | str) -> str:
-    """One server-sent event: `data: <json>\\n\\n` (or the literal `[DONE]` terminator)."""
-    body = payload if isinstance(payload, str) else payload.model_dump_json()
+    """One server-sent event: `data: <json>\\n\\n` (or the literal `[DONE]` terminator). JSON is ASCII-escaped
+    (`_sse_json`)."""
+    body = payload if isinstance(payload, str) else _sse_json(json.loads(payload.model_dump_json()))
     return f"data: {body}\n\n"
+
+
+def _sse_json(value: Any) -> str:
+    # ASCII only: SSE is read line by line, and clients split lines at more than \n (Python's str.splitlines,
+    # which httpx uses, also splits at U+2028, U+0085, ...): a raw one inside a JSON string cuts the event.
+    return json.dumps(value, ensure_ascii=True, separators=(",", ":"))
 
 
 SSE_DONE = sse_event("[DONE]")
@@ -351,14 +387,12 @@ class ChunkEncoder:
     fields, same order); logprobs stay pydantic models, written by pydantic (`_logprobs_json`)."""
 
     def __init__(self, *, id: str, object: str, model: str) -> None:
-        head = json.dumps({"id": id, "object": object, "created": _now(), "model": model}, ensure_ascii=False,
-                          separators=(",", ":"))
+        head = _sse_json({"id": id, "object": object, "created": _now(), "model": model})
         self._head = head[:-1] + ',"choices":'
 
     def event(self, choices: list[dict], usage: UsageInfo | None = None, **extra: Any) -> str:
-        body = {"usage": None if usage is None else usage.model_dump(), **extra}
-        tail = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-        return f"data: {self._head}{json.dumps(choices, ensure_ascii=False, separators=(',', ':'))},{tail[1:]}\n\n"
+        tail = _sse_json({"usage": None if usage is None else usage.model_dump(), **extra})
+        return f"data: {self._head}{_sse_json(choices)},{tail[1:]}\n\n"
 
 
 def completion_choice(*, index: int, text: str, logprobs: CompletionLogprobs | None = None,

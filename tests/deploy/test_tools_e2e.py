@@ -62,6 +62,9 @@ def scripted(serve_app, tok, tmp_path_factory):
     scripts = [(local_prompt(tok, USER, **THINKING), tok.encode(ANSWER_1)),
                (local_prompt(tok, turn_2_messages("call_any")), tok.encode(ANSWER_2))]
     model_dir = write_scripted_checkpoint(tmp_path_factory.mktemp("scripted"), scripts)
+    # Sampling defaults for requests that leave them out (test_generation_config_sampling_defaults).
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0}))
     engine = {**serve_app.config["engine"], "max_model_len": 1024}
     base = serve_app.deploy_extra(APP, {**serve_app.config, "model": str(model_dir), "model_name": APP,
                                         "engine": engine})
@@ -141,3 +144,14 @@ def test_tools_with_the_random_model_never_fail(serve_app):
     body = {"model": serve_app.model, "messages": USER, "tools": TOOLS, "stream": True, "max_tokens": 8}
     r = httpx.post(f"{serve_app.base_url}/v1/chat/completions", json=body, headers=serve_app.headers, timeout=60)
     assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]")
+
+
+def test_generation_config_sampling_defaults(scripted):
+    """The checkpoint's generation_config.json says temperature 0: a request without `temperature` decodes
+    greedily whatever its seed (the server's own default, 1.0, would sample), one that sets it samples."""
+    client = scripted.client()
+    kw = dict(model=scripted.model, prompt="Once upon a time", max_tokens=24, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(**kw, temperature=0).choices[0].text
+    assert [client.completions.create(**kw, seed=s).choices[0].text for s in (1, 2, 3)] == [greedy] * 3
+    sampled = {client.completions.create(**kw, seed=s, temperature=1.5).choices[0].text for s in (1, 2, 3)}
+    assert sampled != {greedy}
