@@ -26,7 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import chat, extras
+from deploy import chat, extras, openapi
 from deploy.config import ServeConfig
 from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
@@ -70,6 +70,7 @@ class ApiError(Exception):
 
 
 app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3 on Ray Serve")
+openapi.install(app)  # /openapi.json documents the 400s, SSE and text bodies this server really sends
 
 
 @app.exception_handler(ApiError)
@@ -671,7 +672,11 @@ class Ingress:
                            code="invalid_value")
 
     # -- routes ---------------------------------------------------------------------------------------------
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health")
+    async def health_head(self) -> JSONResponse:
+        return await self.health()
+
+    @app.get("/health")
     async def health(self) -> JSONResponse:
         state = await self._readiness()
         if state["ready"]:
