@@ -217,17 +217,3 @@ def response_message(text: str, spec: OutputSpec | None, reason: str | None) -> 
     message = ChatResponseMessage(content=out.content, reasoning_content=out.reasoning,
                                   tool_calls=out.tool_calls or None)
     return message, finish_reason(reason, bool(out.tool_calls))
-
-
-class UnknownFieldLog:
-    """Logs each ignored request field name once per process (clients send the same extras on every call)."""
-
-    def __init__(self, logger: Any) -> None:
-        self._logger = logger
-        self._seen: set[str] = set()
-
-    def __call__(self, names: list[str]) -> None:
-        for name in names:
-            if name not in self._seen:
-                self._seen.add(name)
-                self._logger.warning("ignoring unknown request field %r (logged once)", name)

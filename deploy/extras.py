@@ -1,7 +1,7 @@
 """The smaller API details OpenAI clients and vLLM users rely on (issue 20): `/tokenize` and `/detokenize` in
-vLLM's request and response shapes, `/version`, and the sampling defaults a checkpoint's
-`generation_config.json` sets. The routes themselves are thin methods of `deploy.ingress.Ingress`; what they
-compute lives here. (`X-Request-Id` needs nothing here: Ray Serve's proxy takes a client's as the request's id
+vLLM's request and response shapes, `/version`, unknown request fields named once in the log, and the sampling
+defaults a checkpoint's `generation_config.json` sets. The routes themselves are thin methods of
+`deploy.ingress.Ingress`; what they compute lives here. (`X-Request-Id` needs nothing here: Ray Serve's proxy takes a client's as the request's id
 and echoes it, or sends its own, on every response; tests/deploy/test_api_extras.py holds it to that.)
 """
 from __future__ import annotations
@@ -70,3 +70,21 @@ def detokenize(tokenizer: Any, body: DetokenizeRequest) -> dict[str, Any]:
     if bad is not None:
         raise chat.ChatRequestError("tokens", f"token id {bad} is outside the vocabulary [0, {tokenizer.vocab_size})")
     return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Unknown request fields
+
+
+class UnknownFieldLog:
+    """Logs each ignored request field name once per process (clients send the same extras on every call)."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+        self._seen: set[str] = set()
+
+    def __call__(self, names: list[str]) -> None:
+        for name in names:
+            if name not in self._seen:
+                self._seen.add(name)
+                self._logger.warning("ignoring unknown request field %r (logged once)", name)

@@ -30,9 +30,10 @@ from deploy import chat, extras, openapi
 from deploy.config import ServeConfig
 from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
-    ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    DetokenizeRequest, EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList,
-    Redirect, TokenizeChatRequest, TokenizeCompletionRequest, TopLogprob, UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, sse_event, unknown_fields,
+    ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DetokenizeRequest,
+    EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect,
+    TokenizeChatRequest, TokenizeCompletionRequest, TopLogprob, UsageInfo, chat_chunk_choice, completion_choice,
+    new_id, param_of, sse_event, unknown_fields,
 )
 from deploy.streaming import EventQueue
 from workers.request import SamplingParams
@@ -580,7 +581,7 @@ class Ingress:
         self._api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
         self._max_model_len = config.engine.max_model_len
         self._ready = False
-        self._log_unknown = chat.UnknownFieldLog(logger)
+        self._log_unknown = extras.UnknownFieldLog(logger)
         self._tokenizer = None
         self._sampling_defaults: dict[str, Any] = {}
         self._tokenizer_error: str | None = None

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from deploy import chat
+from deploy.extras import UnknownFieldLog
 from deploy.protocol import (
     ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatDelta, ChunkEncoder, CompletionRequest,
     ToolCallOut, chat_chunk_choice, sse_event, unknown_fields,
@@ -188,7 +189,7 @@ def test_unknown_fields_are_ignored_and_named():
         def warning(self, fmt, name):
             logged.append(name)
 
-    log = chat.UnknownFieldLog(Log())
+    log = UnknownFieldLog(Log())
     log(["a", "b"])
     log(["a", "c"])
     assert logged == ["a", "b", "c"]
