@@ -78,6 +78,8 @@ class ServeConfig:
     model_name: str | None = None  # name clients pass as `model`; default: the model directory's name
     device: Literal["cpu", "cuda"] = "cpu"
     api_key: str | None = None  # else env M3SERVE_API_KEY; None = no auth
+    # the largest request body the ingress reads (413 past it); None = 16 bytes per token of max_model_len + 1 MiB
+    max_request_bytes: int | None = None
     engine: EngineConfig = field(default_factory=EngineConfig)
     disaggregate: bool = False
     unified: GroupConfig = field(default_factory=GroupConfig)
@@ -90,6 +92,10 @@ class ServeConfig:
     # chat template variables for every chat request (e.g. {"enable_thinking": true}); a request's
     # `chat_template_kwargs` are merged over them
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: must be >= 1024 (or null), got {self.max_request_bytes}")
 
     def groups(self) -> dict[Role, GroupConfig]:
         """The engine groups this config runs, by role."""

@@ -26,7 +26,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import chat, extras, openapi
+from deploy import chat, extras, guard, openapi
 from deploy.config import ServeConfig
 from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
@@ -71,6 +71,8 @@ class ApiError(Exception):
 
 
 app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3 on Ray Serve")
+# the key and the body size, checked before FastAPI reads a byte (deploy/guard.py); the replica sets the config
+app.add_middleware(guard.Guard, config_of=lambda: getattr(app.state, "guard", None))
 openapi.install(app)  # /openapi.json documents the 400s, SSE and text bodies this server really sends
 
 
@@ -99,6 +101,11 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     if first.get("type") == "json_invalid":
         message = "request body is not valid JSON"
     return ApiError(400, message, param=param, code="invalid_value").response()
+
+
+@app.exception_handler(guard.BodyTooLarge)
+async def _body_too_large(_: Request, exc: guard.BodyTooLarge) -> JSONResponse:
+    return ApiError(413, str(exc), code="request_too_large").response()
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -579,6 +586,9 @@ class Ingress:
         self._model_dir = model_dir
         self._model_name = model_name
         self._api_key = config.api_key or os.environ.get(API_KEY_ENV) or None
+        app.state.guard = guard.GuardConfig(
+            api_key=self._api_key, max_body_bytes=config.max_request_bytes
+            or guard.default_max_body_bytes(config.engine.max_model_len))
         self._max_model_len = config.engine.max_model_len
         self._ready = False
         self._log_unknown = extras.UnknownFieldLog(logger)
@@ -687,14 +697,15 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self._check_auth(request)
-        card = ModelCard(id=self._model_name, root=self._model_dir, max_model_len=self._max_model_len)
+        # root: the served name, never the checkpoint's path on the server's disk
+        card = ModelCard(id=self._model_name, root=self._model_name, max_model_len=self._max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         self._check_auth(request)
         self._check_model(model_id)
-        card = ModelCard(id=self._model_name, root=self._model_dir, max_model_len=self._max_model_len)
+        card = ModelCard(id=self._model_name, root=self._model_name, max_model_len=self._max_model_len)
         return JSONResponse(card.model_dump(mode="json"))
 
     @app.get("/version")

@@ -20,13 +20,14 @@ _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _DESCRIPTIONS = {
     400: "Invalid request (the error's `param` names the field)",
     401: "Missing or wrong API key",
+    413: "Request body over the server's limit (`max_request_bytes`)",
     404: "Unknown model",
     429: "Too many requests waiting (Retry-After)",
     500: "Internal error",
     503: "Not ready, or the engines cannot take the request now (Retry-After)",
 }
 _AUTH = (401,)
-_GENERATE = (400, 401, 404, 429, 500, 503)
+_GENERATE = (400, 401, 404, 413, 429, 500, 503)
 # (path, method) -> the error statuses it answers (besides 200), and its 200 body: a model per media type.
 _ROUTES: dict[tuple[str, str], tuple[tuple[int, ...], dict[str, Any]]] = {
     ("/v1/completions", "post"): (_GENERATE, {"application/json": CompletionResponse,
@@ -35,11 +36,11 @@ _ROUTES: dict[tuple[str, str], tuple[tuple[int, ...], dict[str, Any]]] = {
                                                   "text/event-stream": ChatCompletionChunk}),
     ("/v1/models", "get"): (_AUTH, {"application/json": ModelList}),
     ("/v1/models/{model_id}", "get"): ((401, 404), {"application/json": ModelCard}),
-    ("/tokenize", "post"): ((400, 401, 404, 503), {}),
-    ("/detokenize", "post"): ((400, 401, 404, 503), {}),
+    ("/tokenize", "post"): ((400, 401, 404, 413, 503), {}),
+    ("/detokenize", "post"): ((400, 401, 404, 413, 503), {}),
     ("/health", "get"): ((503,), {}),
     ("/health", "head"): ((503,), {}),
-    ("/metrics", "get"): ((), {"text/plain": None}),
+    ("/metrics", "get"): (_AUTH, {"text/plain": None}),
     ("/admin/stats", "get"): (_AUTH, {}),
 }
 

@@ -80,7 +80,8 @@ def test_detokenize_and_its_errors(serve_app, tok):
 
 
 def test_version(serve_app):
-    r = httpx.get(f"{serve_app.base_url}/version", timeout=30)
+    assert httpx.get(f"{serve_app.base_url}/version", timeout=30).status_code == 401  # a key is set
+    r = httpx.get(f"{serve_app.base_url}/version", headers=serve_app.headers, timeout=30)
     assert r.status_code == 200 and r.json() == {"version": metadata.version("m3serve")}
 
 

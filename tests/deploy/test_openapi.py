@@ -15,7 +15,8 @@ from jsonschema import Draft202012Validator
 
 @pytest.fixture(scope="module")
 def spec(serve_app) -> dict:
-    r = httpx.get(f"{serve_app.base_url}/openapi.json", timeout=30)
+    assert httpx.get(f"{serve_app.base_url}/openapi.json", timeout=30).status_code == 401  # a key is set
+    r = httpx.get(f"{serve_app.base_url}/openapi.json", headers=serve_app.headers, timeout=30)
     assert r.status_code == 200
     return r.json()
 
@@ -31,7 +32,7 @@ def test_schema_documents_what_the_server_sends(spec):
     for path in ("/v1/chat/completions", "/v1/completions"):
         responses = spec["paths"][path]["post"]["responses"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
-        assert {"400", "401", "404", "429", "503"} <= set(responses)
+        assert {"400", "401", "404", "413", "429", "503"} <= set(responses)
     assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     roles = spec["components"]["schemas"]["ChatMessage"]["properties"]["role"]["enum"]
     assert set(roles) == {"system", "developer", "user", "assistant", "tool"}

@@ -61,7 +61,8 @@ def test_health_models_and_auth_on_models(serve_app):
     assert r.status_code == 200 and r.json()["status"] == "ok"
     models = serve_app.client().models.list()
     assert [m.id for m in models.data] == [serve_app.model]
-    r = httpx.get(f"{serve_app.base_url}/metrics")
+    assert httpx.get(f"{serve_app.base_url}/metrics").status_code == 401  # a key is set: only /health is open
+    r = httpx.get(f"{serve_app.base_url}/metrics", headers=serve_app.headers)
     assert r.status_code == 200 and "text/plain" in r.headers["content-type"]
 
 
