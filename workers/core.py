@@ -1,0 +1,316 @@
+"""EngineCore: the scheduling half of one engine, pure Python over `Scheduler` and `PageManager`.
+
+A step of an engine is three calls, and this module owns two of them:
+
+    batch = core.schedule()           # StepBatch | None: what the executor runs now
+    result = executor.execute(batch)  # not here: an executor runs the model (workers/executor/)
+    outputs = core.update(result)     # list[EngineCoreOutput]: new token ids, their logprobs, finish reasons
+
+The core holds no executor, no text and no KV agents, so it is unit-tested with a fake executor
+(tests/workers/test_core.py) and composed as it is: `Engine` wraps one core, `DPEngine` one per dp rank around a
+single execute. Text (detokenizing, stop strings) lives above it (`workers/output.py`) and reports a stop-string
+hit back with `stop_sequence`; KV transfer state lives beside it (`workers/kv/connector.py`).
+
+Contract:
+- `schedule()` returns None when nothing can run this step; else the batch for every chunk it picked. Exactly
+  one `update(result)` or `fail_step(...)` must follow a batch before the next `schedule()`.
+- `update(result)` applies the executor's result to the scheduled step: computed tokens are committed to the
+  page manager, sampled tokens appended, every stop but stop strings checked. It returns one `EngineCoreOutput`
+  per sequence that got a token, in the scheduler's order. A request whose every sample finished is retired:
+  its pages are free (a prefill handoff's excepted: the scheduler keeps them for the transfer), its stats are
+  closed (`pop_request_stats`), and its sequence ids reach the shards with the next batch (`released_seq_ids`).
+- Aborts (`abort_request`) free a request's pages in any state.
+
+Not thread-safe: the thread that steps the engine drives the core.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from workers.batch import StepBatch, build_step_batch
+from workers.config import EngineConfig
+from workers.pages import PageManager
+from workers.request import SamplingParams
+from workers.scheduler import Request, Scheduler, SchedulerOutput, Sequence as Seq
+from workers.stats import RequestStats
+
+if TYPE_CHECKING:  # the result type only: the core never runs a model
+    from workers.runner import StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    """What one step did to one sequence (sample `index` of a request): the tokens it appended, their
+    logprobs (None unless the request asked for logprobs; `{}` for a token whose logprobs did not come), and
+    why it finished (None: it goes on). `prompt_logprobs`: the request's prompt logprobs once all are known."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """The core's state of one request beyond the scheduler's: stats and prompt logprobs."""
+
+    req: Request
+    stats: RequestStats
+    token_times: list[float] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # position 0 is None (nothing predicts it)
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.req.prompt_token_ids)
+
+
+class EngineCore:
+    """Scheduler + page manager + the requests in flight of one engine (or one dp rank); see the module
+    docstring for the schedule/update contract."""
+
+    def __init__(self, config: EngineConfig, *, num_pages: int, page_size: int, eos_token_ids: Sequence[int] = (),
+                 vocab_size: int | None = None, role: str = "unified") -> None:
+        self.config = config
+        self.role = role
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pages = PageManager(num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
+                                 watermark=config.admission_watermark)
+        self.scheduler = Scheduler(config, self.pages, eos_token_ids=self.eos_token_ids, vocab_size=vocab_size)
+        self._tracked: dict[str, _Tracked] = {}
+        self._prompt_logprob_pending: dict[str, _Tracked] = {}
+        self._released_seq_ids: list[int] = []  # gone since the last batch: the shards drop their sampler state
+        self._finished_stats: list[RequestStats] = []
+        self._retired_now: dict[str, _Tracked] = {}  # retired by the latest update (a stop string may follow)
+        self._scheduled: SchedulerOutput | None = None  # the step between schedule() and update()
+        self._batch: StepBatch | None = None
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field if the request can never be served (reads configuration only)."""
+        self.scheduler.validate([int(t) for t in prompt_token_ids], params)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, handoff: bool = False) -> Request:
+        """Queue a request. `handoff` (prefill role): it ends after its first token with its pages kept."""
+        req = self.scheduler.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                                         handoff=handoff)
+        self._track(req)
+        return req
+
+    def add_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                   arrival_time: float | None = None) -> Request | None:
+        """Decode role: reserve the pages of a prompt computed elsewhere; None when the pool has no room now.
+        The request starts with `activate_remote`; `withdraw_remote` undoes an admission nobody started."""
+        req = self.scheduler.add_remote(request_id, prompt_token_ids, params, arrival_time=arrival_time)
+        if req is not None:
+            self._track(req)
+        return req
+
+    def withdraw_remote(self, request_id: str) -> None:
+        """Undo `add_remote` (its KV cannot be prepared): pages freed, no stats recorded."""
+        self.scheduler.abort(request_id)
+        self._tracked.pop(request_id, None)
+
+    def activate_remote(self, request_id: str, first_token: int,
+                        first_logprobs: dict[int, float] | None) -> list[EngineCoreOutput]:
+        """Decode role: the prompt's KV landed and its first token is known; it decodes from the next step."""
+        t = self._tracked[request_id]
+        seq = self.scheduler.activate_remote(request_id, first_token)
+        out = self._on_token(t, seq, first_token, first_logprobs, time.monotonic())
+        if t.req.finished:
+            self._retire(t)
+        return [out]
+
+    def _track(self, req: Request) -> None:
+        params = req.params
+        t = _Tracked(req=req, stats=RequestStats(request_id=req.request_id, role=self.role,
+                                                 prompt_tokens=len(req.prompt_token_ids),
+                                                 arrival_time=req.arrival_time),
+                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self._tracked[req.request_id] = t
+        if params.prompt_logprobs is not None and len(req.prompt_token_ids) > 1:
+            self._prompt_logprob_pending[req.request_id] = t
+
+    def abort_request(self, request_id: str, *, reason: str = "abort",
+                      failure_reason: str | None = None) -> Request | None:
+        """End a request in any state, freeing its pages; its sequences finish with `reason` ("abort", or
+        "error" for a failed step). `failure_reason` (e.g. "transfer") marks its stats as failed. Returns the
+        request, None if unknown or finished."""
+        req = self.scheduler.abort(request_id, reason=reason)
+        t = self._tracked.pop(request_id, None)
+        self._prompt_logprob_pending.pop(request_id, None)
+        if req is None:
+            return None
+        self._released_seq_ids.extend(s.seq_id for s in req.seqs)
+        if t is not None:
+            t.stats.failure_reason = failure_reason
+            self._close_stats(t, "abort" if failure_reason is None else "error")
+        return req
+
+    def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
+        """A stop string ended sample `index` (the text layer found it in this step's tokens): finish it with
+        reason "stop". A sample a length limit (or a handoff) ended in the same step takes the stop instead."""
+        t = self._tracked.get(request_id) or self._retired_now.get(request_id)
+        if t is None:
+            return
+        seq = t.req.seqs[index]
+        if seq.finished:
+            seq.finish_reason, seq.stop_reason = "stop", stop
+            if request_id in self._retired_now:
+                t.stats.finished_reason = _finished_reason(t.req)
+            return
+        self.scheduler.finish(seq, "stop", stop)
+        if t.req.finished:
+            self._retire(t)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is in flight here (queued, running, or awaiting its KV)."""
+        return request_id in self._tracked
+
+    def request_ids(self) -> list[str]:
+        return list(self._tracked)
+
+    def has_unfinished(self) -> bool:
+        """Requests a step can move on (queued or running; not those waiting on a KV transfer)."""
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def schedule(self) -> StepBatch | None:
+        """Pick this step's chunks; the batch the executor runs, None when nothing runs this step."""
+        assert self._scheduled is None, "schedule() twice without update()"
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            if self.scheduler.has_unfinished() and not sched_out.preempted:
+                raise RuntimeError("scheduler: requests are queued but none could be scheduled")
+            return None
+        progress = {t.req.seqs[0].seq_id: len(t.prompt_logprobs) for t in self._prompt_logprob_pending.values()}
+        batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
+                                 released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress)
+        self._released_seq_ids = []
+        self._scheduled, self._batch = sched_out, batch
+        return batch
+
+    @property
+    def scheduled(self) -> SchedulerOutput | None:
+        """The step between `schedule()` and its `update()` / `fail_step()` (None outside one)."""
+        return self._scheduled
+
+    def update(self, result: StepResult) -> list[EngineCoreOutput]:
+        """Apply the executor's result to the scheduled step (see the module docstring)."""
+        sched_out, batch = self._take_scheduled()
+        self._retired_now = {}
+        for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
+            self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
+        sampled: list[int | None] = [None] * len(sched_out.chunks)
+        row_of_seq: dict[int, int] = {}
+        for r, (ci, tok) in enumerate(zip(batch.sample_chunks, result.token_ids, strict=True)):
+            sampled[ci] = tok
+            row_of_seq[sched_out.chunks[ci].seq.seq_id] = r
+        update = self.scheduler.update(sched_out, sampled)
+        now = time.monotonic()
+        outputs: list[EngineCoreOutput] = []
+        touched: dict[str, _Tracked] = {}
+        for seq, token in update.new_tokens:
+            t = self._tracked[seq.request.request_id]
+            touched[seq.request.request_id] = t
+            outputs.append(self._on_token(t, seq, token, result.logprobs[row_of_seq[seq.seq_id]], now))
+        for t in touched.values():
+            if t.req.finished:
+                self._retire(t)
+        return outputs
+
+    def fail_step(self, failure_reason: str) -> list[EngineCoreOutput]:
+        """The executor raised on the scheduled step: end exactly its requests (pages freed, sequences finished
+        with "error", stats failed with `failure_reason`); one output per sample of each."""
+        sched_out, batch = self._take_scheduled()
+        self._released_seq_ids[:0] = batch.released_seq_ids  # in case the shard never saw them
+        outputs = []
+        for rid in dict.fromkeys(c.seq.request.request_id for c in sched_out.chunks):
+            req = self.abort_request(rid, reason="error", failure_reason=failure_reason)
+            if req is None:
+                continue
+            outputs.extend(EngineCoreOutput(rid, s.index, [], None, s.finish_reason, s.stop_reason)
+                           for s in req.seqs)
+        return outputs
+
+    def _take_scheduled(self) -> tuple[SchedulerOutput, StepBatch]:
+        if self._scheduled is None:
+            raise RuntimeError("update: no step is scheduled")
+        scheduled = self._scheduled, self._batch
+        self._scheduled = self._batch = None
+        return scheduled
+
+    def _on_prompt_logprobs(self, request_id: str, start: int, dicts: list[dict[int, float]]) -> None:
+        t = self._prompt_logprob_pending.get(request_id)
+        if t is None:
+            return
+        for j, d in enumerate(dicts):
+            if start + 1 + j == len(t.prompt_logprobs):  # in order, each position once (recompute repeats some)
+                t.prompt_logprobs.append(d)
+        if t.prompt_logprobs_done:
+            del self._prompt_logprob_pending[request_id]
+
+    def _on_token(self, t: _Tracked, seq: Seq, token: int, logprobs: dict[int, float] | None,
+                  now: float) -> EngineCoreOutput:
+        if t.stats.first_token_time is None:
+            t.stats.first_token_time = now
+        t.token_times.append(now)
+        wants_logprobs = t.req.params.logprobs is not None
+        return EngineCoreOutput(t.req.request_id, seq.index, [token], [logprobs or {}] if wants_logprobs else None,
+                                seq.finish_reason, seq.stop_reason,
+                                list(t.prompt_logprobs) if t.prompt_logprobs_done else None)
+
+    def _retire(self, t: _Tracked) -> None:
+        """Every sample finished: forget the request, close its stats."""
+        req = t.req
+        self._released_seq_ids.extend(s.seq_id for s in req.seqs)
+        del self._tracked[req.request_id]
+        self._prompt_logprob_pending.pop(req.request_id, None)
+        self._retired_now[req.request_id] = t
+        self._close_stats(t, None)
+
+    def _close_stats(self, t: _Tracked, reason: str | None) -> None:
+        s = t.stats
+        req = t.req
+        s.generation_tokens = sum(q.num_output_tokens for q in req.seqs)
+        s.finished_reason = reason or _finished_reason(req)
+        s.finished_time = time.monotonic()
+        s.token_times = t.token_times
+        s.num_preemptions = sum(q.num_preemptions for q in req.seqs)
+        s.prefix_cache_hit_tokens = req.prefix_cache_hit_tokens
+        s.first_scheduled_time = req.first_scheduled_time
+        self._finished_stats.append(s)
+
+    def pop_request_stats(self) -> list[RequestStats]:
+        out, self._finished_stats = self._finished_stats, []
+        return out
+
+    # ---- pages ------------------------------------------------------------------------------------------
+    def free_pages(self, seq_id: int) -> None:
+        """Free the pages a finished sequence kept (a prefill handoff's, once its transfer settled)."""
+        self.pages.free(seq_id)
+
+    def hold_pages(self, num_pages: int) -> int:
+        """Take `num_pages` free pages out of the pool (tests and drills: a full decode replica); 0 gives them
+        back. Returns how many are held."""
+        self.pages.free(_HOLD_SEQ_ID)
+        if num_pages > 0:
+            self.pages.admit(_HOLD_SEQ_ID)
+            if not self.pages.allocate(_HOLD_SEQ_ID, num_pages * self.pages.page_size):
+                self.pages.free(_HOLD_SEQ_ID)
+                raise ValueError(f"num_pages: only {self.pages.num_free_pages} pages are free")
+        return num_pages
+
+
+def _finished_reason(req: Request) -> str:
+    reasons = [q.finish_reason for q in req.seqs]
+    return "stop" if "stop" in reasons else reasons[0]
+
+
+_HOLD_SEQ_ID = -1  # the page manager owner of `EngineCore.hold_pages`
