@@ -242,7 +242,7 @@ class EngineServer:
     def _load(self) -> None:
         try:
             from workers.async_engine import AsyncEngine
-            from workers.engine import Engine
+            from workers.engine import make_engine
             from workers.executor.ray_group import GroupOptions
 
             model_dir = Path(self._model_dir)
@@ -257,11 +257,12 @@ class EngineServer:
             executor = (GroupOptions(num_cpus_per_shard=group.num_cpus_per_shard)
                         if group.parallel.world_size > 1 else "auto")
 
-            def make_engine() -> Engine:
-                return Engine(str(model_dir), engine_config=self._config.engine, parallel=group.parallel,
-                              device=self._config.device, role=self._role, transfer=transfer, executor=executor)
+            def build_engine():
+                return make_engine(str(model_dir), engine_config=self._config.engine, parallel=group.parallel,
+                                   device=self._config.device, role=self._role, transfer=transfer,
+                                   executor=executor)
 
-            self._engine = AsyncEngine(make_engine)
+            self._engine = AsyncEngine(build_engine)
             self._start_metrics()
             self._state = "ready"
             self._load_seconds = time.monotonic() - self._load_started

@@ -30,7 +30,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from workers.engine import Engine, KVTransferFailed
+from workers.engine_api import EngineAPI
+from workers.kv.connector import KVTransferFailed
 from workers.request import RequestOutput, SamplingParams
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
 
@@ -67,8 +68,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine_factory: Callable[[], Engine] | Engine) -> None:
-        self.engine = engine_factory if isinstance(engine_factory, Engine) else engine_factory()
+    def __init__(self, engine_factory: Callable[[], EngineAPI] | EngineAPI) -> None:
+        self.engine = engine_factory if isinstance(engine_factory, EngineAPI) else engine_factory()
         self.max_waiting = self.engine.engine_config.max_waiting
         self._lock = threading.Lock()  # guards the inbox, the streams and the published stats
         self._inbox: deque[tuple] = deque()
@@ -149,7 +150,7 @@ class AsyncEngine:
             raise EngineDeadError(f"engine: the step thread failed: {self._error!r}") from self._error
 
     # ---- disaggregation -----------------------------------------------------------------------------------
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+    async def call(self, fn: Callable[[EngineAPI], Any]) -> Any:
         """Run `fn(engine)` on the step thread, between steps; returns its result (or raises its error)."""
         self._check_alive()
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -281,7 +282,7 @@ class AsyncEngine:
                     idle = not self._inbox and not self._stopping
                 t = time.perf_counter()
                 if self._disaggregated:
-                    if idle and not self.engine.scheduler.has_unfinished():
+                    if idle and not self.engine.has_runnable():
                         # transfers settle on other threads (their listener sets _wake); leases need a clock
                         self._wake.wait(TRANSFER_POLL_S if self.engine.has_pending_transfers() else None)
                 elif idle and not self.engine.has_unfinished():
@@ -459,9 +460,9 @@ def _newest(queue: asyncio.Queue, item: RequestOutput | BaseException) -> Reques
     return item
 
 
-def _mark_sources(engine: Engine) -> list[deque]:
-    """The mark buffers of an engine: its own, or with attention DP each dp rank's core's."""
-    return [d for e in (engine, *getattr(engine, "cores", ())) if (d := getattr(e, "marks", None)) is not None]
+def _mark_sources(engine: EngineAPI) -> list[deque]:
+    """The mark buffers of an engine: each rank's KV connector's (one per dp rank)."""
+    return [kv.marks for kv in engine.connectors]
 
 
 def _snapshot(ring: deque) -> list:

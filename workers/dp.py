@@ -1,76 +1,31 @@
-"""Attention data parallel: `DPEngine`, one engine core per dp rank over one worker group (docs/parallelism.md).
+"""Attention data parallel: `DPEngine`, one engine core per dp rank around one worker group (docs/parallelism.md).
 
-One engine core (scheduler + page manager + request state) per dp rank, each new request assigned to the least
-loaded dp rank, and every step runs all dp ranks' batches in one group step. A dp rank with nothing to do gets no
-batch; when its MoE collectives span other dp ranks (`ep > tp`) it still runs an empty forward so its peers never
-wait. `Engine(..., parallel=ParallelConfig(dp=2))` builds one. It serves every role: as decode a remote request
-is admitted on one dp rank (its pages, its receiving shards); as prefill a request is placed on one dp rank first
+Composition, not threads: each dp rank is an `EngineCore` with its `KVConnector` (an `EngineAPI` rank), and a
+step is the same three calls as `Engine`'s over all of them: every core schedules, one group execute runs every
+dp rank's batch (`WorkerGroup.execute`), every core updates. A dp rank with nothing to do gets no batch; when its
+MoE collectives span other dp ranks (`ep > tp`) its shards still run an empty forward so their peers never wait.
+`make_engine(..., parallel=ParallelConfig(dp=2))` builds one.
+
+New requests go to the least loaded dp rank. It serves every role: as decode a remote request is admitted on
+one dp rank (its pages, its receiving shards); as prefill a request is placed on one dp rank first
 (`place_request`), so the decode side prepares the receive from that dp rank's shards, which then send it.
-
-Still the subclass form (a core per rank is an `Engine` whose executor blocks until the group step): issue 19
-recomposes it over `EngineCore`s.
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig
-from workers.engine import Engine, role_engine_config
+from workers.engine_api import EngineAPI, role_engine_config
 from workers.executor.ray_group import GroupOptions, WorkerGroup
+from workers.kv.config import TransferConfig
 from workers.kv.group_agent import GroupTransferAgent
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
-from workers.stats import EngineStats, RequestStats, StepStats
-from workers.kv.config import TransferConfig
-
-
-class _Slot:
-    """One dp rank's part of a group step: the batch its core produced, then the result it waits for."""
-
-    def __init__(self) -> None:
-        self.batch: StepBatch | None = None
-        self.result: StepResult | None = None
-        self.error: BaseException | None = None
-        self.reached = threading.Event()  # the core deposited its batch, or finished its step without one
-        self.go = threading.Event()  # the group step is done: result (or error) is set
-
-
-class _DPRankExecutor:
-    """The executor a dp rank's engine core sees: `execute` deposits the batch for the group step and blocks
-    until `DPEngine.step` has run all dp ranks' batches together."""
-
-    def __init__(self, engine: DPEngine, dp_rank: int) -> None:
-        self.engine = engine
-        self.dp_rank = dp_rank
-
-    def info(self) -> dict:
-        return {**self.engine.group.rank_info[self.dp_rank * self.engine.parallel.tp],
-                "num_pages": self.engine.group.num_pages}
-
-    def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list:
-        """This dp rank's disaggregation end: one agent over its tp group's shards."""
-        tp = self.engine.parallel.tp
-        actors = self.engine.group.actors[self.dp_rank * tp:(self.dp_rank + 1) * tp]
-        return [GroupTransferAgent(actors, role=role, num_kv_heads=num_kv_heads, config=config)]
-
-    def execute(self, batch: StepBatch) -> StepResult:
-        slot = self.engine._slots[self.dp_rank]
-        slot.batch = batch
-        slot.reached.set()
-        slot.go.wait()
-        if slot.error is not None:
-            raise slot.error
-        return slot.result
-
-    def shutdown(self) -> None:
-        pass  # the group belongs to the DPEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,76 +37,48 @@ class _Placement:
     num_tokens: int  # the prompt tokens it will prefill there (its load until it is added)
 
 
-@dataclass(frozen=True)
-class _DPSchedulers:
-    schedulers: list
-
-    def has_unfinished(self) -> bool:
-        return any(s.has_unfinished() for s in self.schedulers)
-
-    @property
-    def num_running(self) -> int:
-        return sum(s.num_running for s in self.schedulers)
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(s.num_waiting for s in self.schedulers)
-
-
-class DPEngine(Engine):
-    """An engine over dp attention-data-parallel ranks (see the module docstring); the `Engine` API.
-
-    Each dp rank has an ordinary `Engine` core (its own scheduler, page manager, requests) whose executor
-    hands the batch to this engine. A step runs each core's `step()` on its own thread, one after another,
-    until it hands over its batch (or returns: nothing to run); then one group step runs every batch; then each
-    core finishes its step (tokens, stops, outputs) in turn. Only one core's code runs at any time.
-    """
+class DPEngine(EngineAPI):
+    """An engine over dp attention-data-parallel ranks (see the module docstring); the `EngineAPI`."""
 
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig = EngineConfig(),
                  parallel: ParallelConfig = ParallelConfig(), device: str = "cpu", role: str = "unified",
-                 executor=None, transfer=None, **unsupported) -> None:
-        if unsupported:
-            raise NotImplementedError(f"{sorted(unsupported)[0]}: not supported with dp={parallel.dp}")
+                 executor=None, transfer: TransferConfig | None = None) -> None:
         if executor == "local":
             raise ValueError(f"executor: 'local' runs one shard in this process; dp={parallel.dp} needs a worker "
                              f"group ('auto' or 'ray')")
         options = executor if isinstance(executor, GroupOptions) else GroupOptions()
-        self.model_dir = Path(model_dir)
-        self.role = role
         self.parallel = parallel
+        self._setup(model_dir, engine_config, role, transfer)
         self.group = WorkerGroup(model_dir, engine_config=role_engine_config(engine_config, role),
                                  parallel=parallel, device=device, options=options)
         self.executor = self.group
-        self._slots = [_Slot() for _ in range(parallel.dp)]
-        self._pool = ThreadPoolExecutor(max_workers=parallel.dp, thread_name_prefix="dp-core")
         try:
-            self.cores = [Engine(model_dir, engine_config=engine_config, device=device, role=role,
-                                 executor=_DPRankExecutor(self, d), transfer=transfer) for d in range(parallel.dp)]
+            for d in range(parallel.dp):
+                self._add_rank({**self.group.rank_info[d * parallel.tp], "num_pages": self.group.num_pages},
+                               self._agents_of(d))
         except BaseException:
             self.group.shutdown()
-            self._pool.shutdown()
             raise
-        first = self.cores[0]
-        self.model_config = first.model_config
-        self.tokenizer = first.tokenizer
-        self.engine_config = first.engine_config
-        self.num_pages = first.num_pages  # per dp rank
-        self.page_size = first.page_size
-        self.eos_token_ids = first.eos_token_ids
-        self.transfer_config = first.transfer_config
         # request id -> its dp rank, while in flight; prefill: request id -> its placement, not added yet. The
         # server places from its event loop while the step thread steps (through the step thread a placement
         # would wait out a whole prefill step), so both maps and their readers go under this lock.
         self._owner: dict[str, int] = {}
         self._placed: dict[str, _Placement] = {}
         self._load_lock = threading.Lock()
-        self._step_stats: list[StepStats] = []
-        self.num_steps = 0
+
+    def _agents_of(self, dp_rank: int) -> list:
+        """A dp rank's disaggregation end: one agent over its tp group's shards (none for unified)."""
+        if self.role not in ("prefill", "decode"):
+            return []
+        tp = self.parallel.tp
+        actors = self.group.actors[dp_rank * tp:(dp_rank + 1) * tp]
+        return [GroupTransferAgent(actors, role=self.role, num_kv_heads=self.model_config.num_key_value_heads,
+                                   config=self.transfer_config)]
+
+    def _execute(self, batches: list[StepBatch | None]) -> list[StepResult | None]:
+        return self.group.execute(batches)
 
     # ---- requests ---------------------------------------------------------------------------------------
-    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.cores[0].validate_request(prompt_token_ids, params)
-
     def least_loaded_rank(self) -> int:
         """The least loaded dp rank: the fewest prompt tokens still to prefill (prefill role) or the fewest
         requests in flight (decode, unified), placed ones included; then the most free pages, then the lowest
@@ -244,8 +171,8 @@ class DPEngine(Engine):
                              f"shards of the dp rank that runs it")
         d = placed.dp_rank if placed is not None else self.least_loaded_rank()
         try:
-            self.cores[d].add_request(request_id, prompt_token_ids, params, prompt=prompt,
-                                      arrival_time=arrival_time, handoff_to=handoff_to, transfer_id=transfer_id)
+            self._add_to(self.ranks[d], request_id, prompt_token_ids, params, prompt=prompt,
+                         arrival_time=arrival_time, handoff_to=handoff_to, transfer_id=transfer_id)
         except BaseException:
             with self._load_lock:
                 self._placed.pop(request_id, None)
@@ -269,11 +196,7 @@ class DPEngine(Engine):
         d = self._set_owner(request_id, None)
         if d is None:
             return placed is not None  # placed and never added (its decode admission failed): nothing to free
-        return self.cores[d].abort_request(request_id)
-
-    def hands_off(self, request_id: str) -> bool:
-        """Prefill role: whether `request_id` will send (or is sending) its KV from one of the dp ranks."""
-        return any(core.hands_off(request_id) for core in self.cores)
+        return super().abort_request(request_id)
 
     # ---- disaggregation: decode role ------------------------------------------------------------------------
     # Each dp rank is its own receiver: its tp group's shards listen for every prefill group, and a request
@@ -289,35 +212,21 @@ class DPEngine(Engine):
         if self.dp_rank_of(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         for d in self._ranks_by_load():
-            pages = self.cores[d].admit_remote(request_id, prompt_token_ids, params, group=group,
-                                               transfer_id=transfer_id, prompt=prompt, arrival_time=arrival_time,
-                                               first_from_kv=first_from_kv)
+            pages = self._admit_on(self.ranks[d], request_id, prompt_token_ids, params, group=group,
+                                   transfer_id=transfer_id, prompt=prompt, arrival_time=arrival_time,
+                                   first_from_kv=first_from_kv)
             if pages is not None:
                 self._set_owner(request_id, d)
                 return pages
         return None
-
-    def continue_remote(self, request_id: str, first_token: int,
-                        first_logprobs: dict[int, float] | None = None) -> None:
-        d = self.dp_rank_of(request_id)
-        if d is None:
-            raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
-        self.cores[d].continue_remote(request_id, first_token, first_logprobs)
-
-    def fail_remote(self, request_id: str, why: str) -> bool:
-        d = self.dp_rank_of(request_id)
-        return d is not None and self.cores[d].fail_remote(request_id, why)
-
-    def poll_transfers(self) -> list[RequestOutput]:
-        return [out for core in self.cores for out in core.poll_transfers()]
 
     def kv_listen(self, group: str, remote_tp: int, remote_dp: int = 1) -> list:
         """Open the pairs from prefill group `group` into every dp rank's shards; each entry is tagged with
         its dp rank (the prefill side makes one sub-group per dp rank of it). A prefill group with dp
         (`remote_dp` > 1) gets pairs per its own dp rank too (`Engine.kv_listen`): every (prefill dp rank,
         decode dp rank) meets."""
-        return [({**route, "dp": d}, address) for d, core in enumerate(self.cores)
-                for route, address in core.kv_listen(group, remote_tp, remote_dp)]
+        return [({**route, "dp": d}, address) for d, kv in enumerate(self.connectors)
+                for route, address in kv.kv_listen(group, remote_tp, remote_dp)]
 
     # ---- disaggregation: prefill role -----------------------------------------------------------------------
     # Each dp rank sends the requests it ran from its own tp group's shards: the decode side listened once per
@@ -334,26 +243,26 @@ class DPEngine(Engine):
             raise ValueError(f"listened: pairs for prefill dp ranks {sorted(by_rank, key=str)}, but this prefill "
                              f"engine has dp={len(self.cores)} (the decode side must listen with "
                              f"remote_dp={len(self.cores)})")
-        for d, core in enumerate(self.cores):
-            core.kv_connect(group, by_rank[d])
+        for d, kv in enumerate(self.connectors):
+            kv.kv_connect(group, by_rank[d])
 
     def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
-        for core in self.cores:
-            core.kv_wait_ready(timeout_s, group)
+        for kv in self.connectors:
+            kv.kv_wait_ready(timeout_s, group)
 
     def kv_drop(self, group: str) -> None:
-        for core in self.cores:
-            core.kv_drop(group)
+        for kv in self.connectors:
+            kv.kv_drop(group)
 
     def kv_broken(self, group: str) -> str | None:
-        return next((f"dp rank {d}: {why}" for d, core in enumerate(self.cores) if (why := core.kv_broken(group))),
+        return next((f"dp rank {d}: {why}" for d, kv in enumerate(self.connectors) if (why := kv.kv_broken(group))),
                     None)
 
     def set_transfer_faults(self, faults: dict[str, str]) -> None:
         if self.role != "prefill":
             raise ValueError(f"faults: injected on the sending (prefill) side; this engine is {self.role}")
-        for core in self.cores:
-            core.set_transfer_faults(faults)
+        for kv in self.connectors:
+            kv.set_faults(faults)
 
     def hold_pages(self, num_pages: int) -> int:
         """Take `num_pages` free pages out of the pools (filling dp ranks in order); 0 gives them back."""
@@ -370,130 +279,33 @@ class DPEngine(Engine):
             left -= take
         return num_pages
 
-    @property
-    def agents(self) -> list:
-        """Every dp rank's transfer agents, in dp rank order (tests)."""
-        return [a for core in self.cores for a in core.agents]
-
     def _forget_settled(self) -> None:
-        """Drop the owner of requests a core no longer holds. A remote whose KV never came ends without an
+        """Drop the owner of requests no dp rank holds any more. A remote whose KV never came ends without an
         output (`pop_failures` reports it); a prefill's output is finished at its first token while its KV
-        still travels, and its abort must still reach that core until the transfer settled."""
+        still travels, and its abort must still reach that dp rank until the transfer settled."""
         with self._load_lock:
             for rid, d in list(self._owner.items()):
-                core = self.cores[d]
-                if rid not in core._tracked and rid not in core._remote and rid not in core._handoffs:
+                rank = self.ranks[d]
+                if not rank.core.holds(rid) and not rank.kv.holds(rid):
                     del self._owner[rid]
 
     def abort_all(self) -> int:
-        n = sum(core.abort_all() for core in self.cores)
+        n = super().abort_all()
         with self._load_lock:
             self._owner.clear()
             self._placed.clear()
         return n
 
-    def has_unfinished(self) -> bool:
-        return any(core.has_unfinished() for core in self.cores)
-
-    # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        slots = self._slots = [_Slot() for _ in self.cores]
-        futures = []
-        for core, slot in zip(self.cores, slots):
-            futures.append(self._pool.submit(self._core_step, core, slot))
-            slot.reached.wait()  # one core at a time: the next starts once this one handed over or returned
-        batches = [s.batch for s in slots]
-        group_error: BaseException | None = None
-        results: list[StepResult | None] = [None] * len(slots)
-        t1 = time.perf_counter()
-        try:
-            results = self.group.execute(batches)
-        except BaseException as e:
-            group_error = e
-        t2 = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        error: BaseException | None = None
-        for slot, result, fut in zip(slots, results, futures):
-            # a core handed the group's error fails its step's requests and goes on, or re-raises it (GroupError)
-            slot.result, slot.error = result, group_error
-            slot.go.set()
-            try:
-                outputs.extend(fut.result())
-            except BaseException as e:  # every core must still finish its step before this one raises
-                error = error or e
-        if error is not None:
-            raise error
+        outputs = super().step()
         if self.role == "unified":
             for out in outputs:
                 if out.finished:
                     self._set_owner(out.request_id, None)
         else:
             self._forget_settled()
-        if any(b is not None for b in batches):
-            self._record_step(t0, t2 - t1, results)
         return outputs
 
-    @staticmethod
-    def _core_step(core: Engine, slot: _Slot) -> list[RequestOutput]:
-        try:
-            return core.step()
-        finally:
-            slot.reached.set()
-
-    def _record_step(self, t0: float, group_time: float, results: list[StepResult | None]) -> None:
-        """One StepStats for the group step: token counts summed over dp ranks; the forward is the slowest dp
-        rank's (they run concurrently), everything else is host overhead."""
-        per_core = [core.pop_step_stats() for core in self.cores]
-        step_time = time.perf_counter() - t0
-        forward = max((r.forward_time for r in results if r is not None), default=0.0)
-        mine = [s[-1] for s in per_core if s]
-        self._step_stats.append(StepStats(
-            step_time=step_time, host_overhead=step_time - forward,
-            num_prefill_tokens=sum(s.num_prefill_tokens for s in mine),
-            num_decode_tokens=sum(s.num_decode_tokens for s in mine),
-            batch_size=sum(s.batch_size for s in mine), num_preemptions=sum(s.num_preemptions for s in mine)))
-        self.num_steps += 1
-
-    @property
-    def scheduler(self) -> _DPSchedulers:
-        """The dp ranks' schedulers seen as one (the async step loop asks it whether work is queued)."""
-        return _DPSchedulers([core.scheduler for core in self.cores])
-
-    # ---- the disaggregation hooks the async step loop calls; a unified dp engine has no transfers -------
-    def add_transfer_listener(self, fn) -> None:
-        for core in self.cores:
-            core.add_transfer_listener(fn)
-
-    def has_pending_transfers(self) -> bool:
-        return any(core.has_pending_transfers() for core in self.cores)
-
-    def pop_failures(self) -> list:
-        return [x for core in self.cores for x in core.pop_failures()]
-
-    def pop_transfer_outcomes(self) -> list:
-        return [x for core in self.cores for x in core.pop_transfer_outcomes()]
-
-    def pop_transfer_stats(self) -> list:
-        return [x for core in self.cores for x in core.pop_transfer_stats()]
-
-    # ---- stats ------------------------------------------------------------------------------------------
-    def stats(self) -> EngineStats:
-        """Summed over dp ranks (pages: the pools of all dp ranks together)."""
-        parts = [core.stats() for core in self.cores]
-        summed = {f.name: sum(getattr(s, f.name) for s in parts)
-                  for f in dataclasses.fields(EngineStats) if f.name != "role"}
-        return EngineStats(role=self.role, **summed)
-
-    def pop_request_stats(self) -> list[RequestStats]:
-        return [s for core in self.cores for s in core.pop_request_stats()]
-
-    def pop_step_stats(self) -> list[StepStats]:
-        out, self._step_stats = self._step_stats, []
-        return out
-
     def shutdown(self) -> None:
-        for core in self.cores:
-            core.shutdown()
+        self._shutdown_connectors()
         self.group.shutdown()
-        self._pool.shutdown(wait=False)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from workers.config import EngineConfig, ParallelConfig
-from workers.engine import Engine
+from workers.engine import make_engine
 from workers.request import RequestOutput, SamplingParams
 
 Prompt = str | dict
@@ -23,7 +23,7 @@ class LLM:
 
             model = tiny_model_dir()
         executor = engine_config_fields.pop("executor", "auto")
-        self.engine = Engine(model, engine_config=EngineConfig(**engine_config_fields),
+        self.engine = make_engine(model, engine_config=EngineConfig(**engine_config_fields),
                              parallel=ParallelConfig(tp=tp, ep=ep, dp=dp), device=device, executor=executor)
         self._ids = itertools.count()
 

@@ -92,8 +92,8 @@ def _drive(prefill, decode, until, timeout: float = 90.0, on_first=None) -> dict
 
 def _leftovers(engine) -> dict:
     """Pages held by each engine core, and transfer bookkeeping left on each shard."""
-    cores = getattr(engine, "cores", [engine])
-    out = {"pages_held": [c.stats().num_pages_total - c.stats().num_pages_free for c in cores],
+    cores = engine.cores
+    out = {"pages_held": [c.pages.num_pages - c.pages.num_free_pages for c in cores],
            "owners": [len(c.pages.owners()) for c in cores], "unfinished": engine.has_unfinished(),
            "shard_transfer_ids": []}
     for agent in engine.agents:
@@ -128,7 +128,7 @@ def _run_case(engines: dict, prefill_name: str, decode_name: str, groups: dict, 
                            "first_token": first.token_ids, "logprobs": _lp(first.logprobs[:1] + last.logprobs[1:])}
     _settle(prefill, decode)
     # per prefill dp rank: which rank's shards sent each request
-    stats = [(q, s) for q, core in enumerate(getattr(prefill, "cores", [prefill])) for s in core.pop_transfer_stats()]
+    stats = [(q, s) for q, kv in enumerate(prefill.connectors) for s in kv.pop_transfer_stats()]
     return {"outputs": outputs, "outcomes": {r: list(v) for r, v in st["outcomes"].items()},
             "failures": st["failures"], "assignment": assignment, "placement": placement, "seconds": seconds,
             "stats": [{"request_id": s.request_id, "num_bytes": s.num_bytes, "seconds": s.seconds, "ok": s.ok,
@@ -294,7 +294,7 @@ def drive(ckpt: str) -> dict:
     import torch
 
     from workers.config import EngineConfig, ParallelConfig
-    from workers.engine import Engine
+    from workers.engine import Engine, make_engine
     from workers.executor.ray_group import GroupOptions
     from workers.kv.config import TransferConfig
 
@@ -330,12 +330,12 @@ def drive(ckpt: str) -> dict:
                                         transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1))
         # ep=2 spans both dp ranks: they step in lockstep, a dp rank whose requests still wait for their KV
         # runs empty forwards beside the other's decodes
-        engines["decode_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2), role="decode",
-                                       transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1, dispatch="rpc"))
+        engines["decode_dp2"] = make_engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2),
+                                            role="decode", transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1, dispatch="rpc"))
         # the prefill side in lockstep too, through its compiled graph: a dp rank whose prompts are done runs
         # empty forwards while the other still prefills
-        engines["prefill_dp2"] = Engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2),
-                                        role="prefill", transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1))
+        engines["prefill_dp2"] = make_engine(ckpt, engine_config=ec, parallel=ParallelConfig(dp=2, ep=2),
+                                             role="prefill", transfer=cfg, executor=GroupOptions(num_cpus_per_shard=1))
         result["start_s"] = time.monotonic() - t
 
         # pairs, as the router opens them: decode listens (one address per route into its shards), prefill

@@ -163,7 +163,7 @@ def test_decode_starts_when_the_kv_lands(pair, tiny_ckpt):
     late = []
 
     def started(s) -> bool:  # hand over one first token only after its request is decoding already
-        running = [r for r in ids if r in decode._tracked and r not in decode._remote]
+        running = [r for r in ids if decode.core.holds(r) and not decode.kv.holds(r)]
         if running and not late:
             late.append(running[0])
             first = s["first"][running[0]].outputs[0]
@@ -373,8 +373,8 @@ def test_a_step_that_fails_after_announcing_fails_its_request_withdraws_and_keep
     assert prefill.pages.num_free_pages == prefill.num_pages  # the withdrawn bytes count for nothing
     receiver = decode.agents[0].end
     deadline = time.monotonic() + 10
-    while receiver.result("boom").state is not TransferState.PENDING or prefill._withdrawn:
-        assert time.monotonic() < deadline, (receiver.result("boom"), prefill._withdrawn)
+    while receiver.result("boom").state is not TransferState.PENDING or prefill.kv.has_withdrawn():
+        assert time.monotonic() < deadline, receiver.result("boom")
         prefill.poll_transfers()
         time.sleep(0.01)
     assert not prefill.abort_request("boom")  # gone already

@@ -7,7 +7,7 @@ import pytest
 
 from workers.config import EngineConfig, ParallelConfig
 from workers.dp import DPEngine
-from workers.engine import Engine
+from workers.engine import Engine, make_engine
 from workers.executor import LocalExecutor
 from workers.executor.ray_group import GroupOptions, make_group_executor
 
@@ -46,16 +46,20 @@ def test_local_executor_cannot_hold_several_shards(tiny_ckpt):
     with pytest.raises(ValueError, match="executor: 'local' runs one shard in this process; tp \\* dp = 2"):
         Engine(tiny_ckpt, parallel=ParallelConfig(tp=2), executor="local")
     with pytest.raises(ValueError, match="executor: 'local'.*dp=2 needs a worker group"):
-        Engine(tiny_ckpt, parallel=ParallelConfig(dp=2), executor="local")
+        make_engine(tiny_ckpt, parallel=ParallelConfig(dp=2), executor="local")
 
 
-def test_dp_engine_is_what_engine_builds_for_dp(tiny_ckpt):
-    """`Engine(..., parallel=dp>1)` is a DPEngine (so callers need not know) for every role; its layout is
-    checked before anything is placed."""
+def test_make_engine_builds_a_dp_engine_for_dp(tiny_ckpt, monkeypatch):
+    """`make_engine(..., parallel=dp>1)` is a DPEngine (so callers need not know) for every role; its layout is
+    checked before anything is placed. `Engine` itself is one core: it refuses dp > 1."""
     for role in ("unified", "prefill", "decode"):
         with pytest.raises(ValueError, match="executor: 'local'.*dp=2 needs a worker group"):
+            make_engine(tiny_ckpt, parallel=ParallelConfig(dp=2, ep=2), role=role, executor="local")
+        with pytest.raises(ValueError, match="parallel: dp=2 runs one core per dp rank: build it with make_engine"):
             Engine(tiny_ckpt, parallel=ParallelConfig(dp=2, ep=2), role=role, executor="local")
-    assert issubclass(DPEngine, Engine)
+    built = []
+    monkeypatch.setattr(DPEngine, "__init__", lambda self, *a, **kw: built.append(kw["parallel"].dp))
+    assert isinstance(make_engine(tiny_ckpt, parallel=ParallelConfig(dp=2, ep=2)), DPEngine) and built == [2]
 
 
 def test_executor_selection_for_one_shard(tiny_ckpt):

@@ -81,11 +81,8 @@ def _decode_overhead_ms(engine) -> float:
 
 
 def _pages(engine) -> list[dict]:
-    from workers.dp import DPEngine
-
-    cores = engine.cores if isinstance(engine, DPEngine) else [engine]
-    return [{"free": c.stats().num_pages_free, "total": c.stats().num_pages_total, "owners": len(c.pages.owners())}
-            for c in cores]
+    return [{"free": c.pages.num_free_pages, "total": c.pages.num_pages, "owners": len(c.pages.owners())}
+            for c in engine.cores]
 
 
 def _group_of(engine):
@@ -194,7 +191,7 @@ def drive(ckpt: str, tmp: Path) -> dict:
     import torch
 
     from workers.config import EngineConfig, ParallelConfig
-    from workers.engine import Engine
+    from workers.engine import Engine, make_engine
     from workers.executor.ray_group import GroupOptions
     from workers.llm import LLM
 
@@ -222,8 +219,8 @@ def drive(ckpt: str, tmp: Path) -> dict:
                 llm = LLM(ckpt, tp=tp, ep=ep, dp=dp, executor=options, **engine_fields)
                 engine = llm.engine
             else:
-                engine = Engine(ckpt, engine_config=engine_config, parallel=ParallelConfig(tp=tp, ep=ep, dp=dp),
-                                executor=options)
+                engine = make_engine(ckpt, engine_config=engine_config,
+                                     parallel=ParallelConfig(tp=tp, ep=ep, dp=dp), executor=options)
             start_s = time.monotonic() - t
             case = {"start_s": start_s, "type": type(engine).__name__, "assignment": None,
                     "dispatch": options.dispatch}

@@ -1,0 +1,332 @@
+"""The engine API over one or more engine cores: `EngineAPI`, the base of `Engine` and `DPEngine`.
+
+An engine is a list of ranks, each an `EngineCore` (scheduler + pages + requests, workers/core.py) with its
+`KVConnector` beside it (workers/kv/), an `OutputProcessor` (text) over all of them, and something that executes
+every rank's batch. `Engine` (workers/engine.py) has one rank and an executor; `DPEngine` (workers/dp.py) one rank
+per attention-dp rank over one worker group. A step is the same for both:
+
+    for every rank: poll its transfers; if none started a request, schedule a batch
+    execute every rank's batch at once               (`_execute`, the subclass's)
+    for every rank: update (token ids) -> text -> outputs; send what the step handed off
+
+A step whose execute raises fails only the requests scheduled in it (their pages freed, each reported finished
+with `RequestOutput.error`, a `StepFailedError`; a prefill's handoff reported failed); waiting requests and later
+steps go on. Only an `ExecutorDeadError` (a worker group that lost a rank, a dead shard actor) stops the engine.
+
+Not thread-safe: one thread drives an engine (the `AsyncEngine` step thread, or the `LLM` caller).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from msa.config import load_config
+from workers.batch import StepBatch
+from workers.config import EngineConfig, Role
+from workers.core import EngineCore, EngineCoreOutput
+from workers.executor import ExecutorDeadError
+from workers.kv.config import TransferConfig
+from workers.kv.connector import KVConnector
+from workers.kv.roles import make_connector
+from workers.memory import step_failure
+from workers.output import OutputProcessor
+from workers.request import RequestOutput, SamplingParams
+from workers.runner import StepResult
+from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+from workers.tokenizer import Tokenizer
+
+logger = logging.getLogger("m3serve.engine")
+
+
+def role_engine_config(config: EngineConfig, role: str) -> EngineConfig:
+    """What a role's shards run with: a prefill engine never runs a decode step (it hands every request off
+    after its first token), so it captures no decode CUDA graphs (startup time and graph memory saved)."""
+    if role == "prefill" and not config.enforce_eager:
+        return dataclasses.replace(config, enforce_eager=True)
+    return config
+
+
+@dataclass(frozen=True, slots=True)
+class Rank:
+    """One engine core and its KV connector (one dp rank, or the whole engine without dp)."""
+
+    core: EngineCore
+    kv: KVConnector
+
+
+class EngineAPI:
+    """The engine API (requests, the step, disaggregation, stats) over `self.ranks`; see the module docstring.
+    Subclasses call `_setup` and `_add_rank`, and define `_execute` and `shutdown`."""
+
+    def _setup(self, model_dir: str | Path, engine_config: EngineConfig, role: Role,
+               transfer: TransferConfig | None) -> None:
+        self.model_dir = Path(model_dir)
+        self.role = role
+        self.model_config = load_config(model_dir)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        # The engine never schedules past what the model's positions cover.
+        max_len = min(engine_config.max_model_len, self.model_config.max_position_embeddings)
+        self.engine_config = dataclasses.replace(role_engine_config(engine_config, role), max_model_len=max_len)
+        self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_id)))
+        self.transfer_config = transfer or TransferConfig()
+        self.output = OutputProcessor(self.tokenizer)
+        self.ranks: list[Rank] = []
+        self._step_stats: deque[StepStats] = deque(maxlen=4096)
+        self.num_steps = 0
+
+    def _add_rank(self, info: dict, agents: Sequence = ()) -> Rank:
+        """A core over a pool of `info["num_pages"]` pages, and its connector over `agents`."""
+        self.num_pages: int = info["num_pages"]  # per rank
+        self.page_size: int = info["page_size"]
+        core = EngineCore(self.engine_config, num_pages=self.num_pages, page_size=self.page_size,
+                          eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, role=self.role)
+        rank = Rank(core, make_connector(self.role, agents, self.transfer_config))
+        self.ranks.append(rank)
+        return rank
+
+    def _execute(self, batches: list[StepBatch | None]) -> list[StepResult | None]:
+        raise NotImplementedError
+
+    @property
+    def cores(self) -> list[EngineCore]:
+        return [r.core for r in self.ranks]
+
+    @property
+    def connectors(self) -> list[KVConnector]:
+        return [r.kv for r in self.ranks]
+
+    @property
+    def agents(self) -> list:
+        """Every rank's transfer agents, in rank order."""
+        return [a for r in self.ranks for a in r.kv.agents]
+
+    # ---- requests ---------------------------------------------------------------------------------------
+    def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field if the request can never be served (reads configuration only)."""
+        self.ranks[0].core.validate(prompt_token_ids, params)
+
+    def _add_to(self, rank: Rank, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                prompt: str | None, arrival_time: float | None, handoff_to: str | None,
+                transfer_id: str | None) -> None:
+        if handoff_to is not None and self.role != "prefill":
+            raise ValueError(f"handoff_to: only a prefill engine hands requests off (this one is {self.role})")
+        req = rank.core.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
+                                    handoff=handoff_to is not None)
+        if req.handoff:
+            rank.kv.add_handoff(request_id, req.seqs[0].seq_id, transfer_id=transfer_id or request_id,
+                                group=handoff_to)
+        self.output.add(req, prompt)
+
+    def _rank_of(self, request_id: str) -> Rank | None:
+        return next((r for r in self.ranks if r.core.holds(request_id) or r.kv.holds(request_id)), None)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request in any state and free its pages. False if it is unknown or already finished.
+        Pages a KV transfer still reads or writes are freed once it settled (see `poll_transfers`)."""
+        rank = self._rank_of(request_id)
+        if rank is None:
+            return False
+        done = rank.kv.abort(rank.core, request_id)
+        if done is None:
+            done = rank.core.abort_request(request_id) is not None
+        if not rank.core.holds(request_id):
+            self.output.drop(request_id)
+        return done
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (shutdown). Returns how many."""
+        n = 0
+        for rank in self.ranks:
+            ids = list(dict.fromkeys([*rank.core.request_ids(), *rank.kv.request_ids()]))
+            for rid in ids:
+                self.abort_request(rid)
+            n += len(ids)
+        return n
+
+    def has_unfinished(self) -> bool:
+        return self.has_runnable() or self.has_pending_transfers()
+
+    def has_runnable(self) -> bool:
+        """Requests a step can move on (not those only waiting on a KV transfer)."""
+        return any(r.core.has_unfinished() for r in self.ranks)
+
+    def hands_off(self, request_id: str) -> bool:
+        """Prefill role: whether `request_id` will send (or is sending) its KV to a decode group."""
+        return self.role == "prefill" and any(r.kv.holds(request_id) for r in self.ranks)
+
+    def has_pending_transfers(self) -> bool:
+        """Requests waiting on a KV transfer (or its lease) rather than on a step."""
+        return any(r.kv.has_pending() for r in self.ranks)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the cumulative output of every request that progressed (finished ones last
+        seen here with `.finished` set)."""
+        t0 = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        batches: list[StepBatch | None] = []
+        for rank in self.ranks:
+            polled = self._poll(rank) if rank.kv.has_pending() else []
+            outputs += polled
+            # requests that start decoding now: their first token goes out before this rank's next forward
+            batches.append(None if polled else rank.core.schedule())
+        if all(b is None for b in batches):
+            return outputs
+        scheduled = [r.core.scheduled for r in self.ranks]
+        for rank in self.ranks:
+            rank.kv.on_schedule(rank.core)
+        try:
+            results = self._execute(batches)
+        except BaseException as e:
+            return outputs + self._fail_step(batches, e)
+        for rank, result in zip(self.ranks, results, strict=True):
+            if result is not None:
+                outputs += self._deliver(rank, rank.core.update(result))
+            rank.kv.after_step(rank.core)
+        self._record_step(t0, scheduled, results)
+        return outputs
+
+    def _deliver(self, rank: Rank, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Token ids -> text and outputs; a finished request's transfer side goes on (a handoff's send)."""
+        outputs = self.output.process(rank.core, core_outputs)
+        for out in outputs:
+            if out.finished and rank.kv.holds(out.request_id):
+                rank.kv.on_finished(rank.core, out)
+        return outputs
+
+    def _fail_step(self, batches: list[StepBatch | None], error: BaseException) -> list[RequestOutput]:
+        """The execute raised: end exactly the requests of this step with the error (pages freed, a prefill's
+        handoff reported failed) and return their outputs; everything else goes on (an `ExecutorDeadError`
+        re-raised once every rank withdrew what it announced). The runner already released the device memory
+        it could."""
+        if not isinstance(error, Exception) or isinstance(error, ExecutorDeadError):
+            for rank in self.ranks:
+                rank.kv.after_step(rank.core)  # withdraws what was announced: its pairs wait for it
+            raise error
+        outputs: list[RequestOutput] = []
+        for rank, batch in zip(self.ranks, batches):
+            if batch is None:
+                continue
+            rids = list(dict.fromkeys(c.seq.request.request_id for c in rank.core.scheduled.chunks))
+            failure = step_failure(error, num_tokens=batch.num_tokens, num_requests=len(rids))
+            logger.error("%s: failing requests %s", failure, rids, exc_info=error)
+            for rid in rids:
+                rank.kv.on_step_failed(rid, str(failure))
+            failed = rank.core.fail_step("out_of_memory" if failure.out_of_memory else "step")
+            for rid in dict.fromkeys(o.request_id for o in failed):
+                out = self.output.output(rid)
+                out.error = failure
+                self.output.drop(rid)
+                outputs.append(out)
+            rank.kv.after_step(rank.core)
+        return outputs
+
+    def _record_step(self, t0: float, scheduled: list, results: list[StepResult | None]) -> None:
+        """One StepStats for the step: token counts summed over ranks; the forward is the slowest rank's (they
+        run concurrently), everything else is host overhead."""
+        step_time = time.perf_counter() - t0
+        forward = max((r.forward_time for r in results if r is not None), default=0.0)
+        ran = [s for s in scheduled if s is not None]
+        self._step_stats.append(StepStats(
+            step_time=step_time, host_overhead=step_time - forward,
+            num_prefill_tokens=sum(s.num_prefill_tokens for s in ran),
+            num_decode_tokens=sum(s.num_decode_tokens for s in ran),
+            batch_size=sum(len(s.chunks) for s in ran), num_preemptions=sum(len(s.preempted) for s in ran)))
+        self.num_steps += 1
+
+    # ---- disaggregation ---------------------------------------------------------------------------------
+    def _poll(self, rank: Rank) -> list[RequestOutput]:
+        core_outputs, dropped = rank.kv.poll(rank.core)
+        for rid in dropped:
+            self.output.drop(rid)
+        return self._deliver(rank, core_outputs)
+
+    def poll_transfers(self) -> list[RequestOutput]:
+        """Move disaggregated requests on (non-blocking): free a prefill's pages once its transfer settled or
+        its lease expired; start decoding a request whose KV landed and whose first token is known; fail one
+        whose KV cannot come. Returns the outputs of requests that started decoding."""
+        return [out for rank in self.ranks for out in self._poll(rank)]
+
+    def _admit_on(self, rank: Rank, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
+                  group: str, transfer_id: str | None, prompt: str | None, arrival_time: float | None,
+                  first_from_kv: bool) -> list[int] | None:
+        if self.role != "decode":
+            raise ValueError(f"role: only a decode engine admits remote prefills (this one is {self.role})")
+        req = rank.kv.admit_remote(rank.core, request_id, prompt_token_ids, params, group=group,
+                                   transfer_id=transfer_id, arrival_time=arrival_time, first_from_kv=first_from_kv)
+        if req is None:
+            return None
+        self.output.add(req, prompt)
+        return list(rank.core.pages.page_table(req.seqs[0].seq_id))
+
+    def continue_remote(self, request_id: str, first_token: int,
+                        first_logprobs: dict[int, float] | None = None) -> None:
+        """Decode role: the first token (sampled by the prefill engine) of an admitted request; it decodes on
+        once its KV has landed. A request already decoding (its first token came with the KV) goes on as it is."""
+        rank = self._rank_of(request_id)
+        if rank is None or self.role != "decode":
+            raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
+        rank.kv.continue_remote(rank.core, request_id, first_token, first_logprobs)
+
+    def fail_remote(self, request_id: str, why: str) -> bool:
+        """Decode role: the request's KV will not come (its prefill reported the transfer failed): fail it now
+        (its stream gets `KVTransferFailed(why)`) rather than at its lease. False when it is not awaiting its KV
+        (unknown, landed already, or failed/aborted before)."""
+        rank = self._rank_of(request_id)
+        if rank is None or self.role != "decode":
+            return False
+        failed = rank.kv.fail_remote(rank.core, request_id, why)
+        if not rank.core.holds(request_id):
+            self.output.drop(request_id)
+        return failed
+
+    def pop_failures(self) -> list[tuple[str, str]]:
+        """(request id, reason) of decode requests that failed for their KV since the last call."""
+        return [x for r in self.ranks for x in r.kv.pop_failures()]
+
+    def pop_transfer_outcomes(self) -> list[tuple[str, bool, str | None]]:
+        """Prefill: (request id, ok, reason) of every handed-off request whose transfer settled."""
+        return [x for r in self.ranks for x in r.kv.pop_transfer_outcomes()]
+
+    def pop_transfer_stats(self) -> list[TransferStats]:
+        return [x for r in self.ranks for x in r.kv.pop_transfer_stats()]
+
+    def add_transfer_listener(self, fn) -> None:
+        """`fn()` is called (from a transfer thread) whenever a transfer of this engine settles."""
+        for rank in self.ranks:
+            rank.kv.add_listener(fn)
+
+    # ---- stats ------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Summed over ranks (pages: the pools of all ranks together); requests whose pages are reserved while
+        their KV arrives count as running."""
+        parts = [_rank_stats(self.role, r) for r in self.ranks]
+        summed = {f.name: sum(getattr(s, f.name) for s in parts)
+                  for f in dataclasses.fields(EngineStats) if f.name != "role"}
+        return EngineStats(role=self.role, **summed)
+
+    def pop_request_stats(self) -> list[RequestStats]:
+        return [s for r in self.ranks for s in r.core.pop_request_stats()]
+
+    def pop_step_stats(self) -> list[StepStats]:
+        out = list(self._step_stats)
+        self._step_stats.clear()
+        return out
+
+    def _shutdown_connectors(self) -> None:
+        for rank in self.ranks:
+            rank.kv.shutdown()
+
+
+def _rank_stats(role: str, rank: Rank) -> EngineStats:
+    pm, sched = rank.core.pages, rank.core.scheduler
+    return EngineStats(role=role, num_running=sched.num_running + rank.kv.num_awaiting_kv,
+                       num_waiting=sched.num_waiting, num_pages_total=pm.num_pages,
+                       num_pages_free=pm.num_free_pages, num_pages_cached=pm.num_cached_pages,
+                       prefix_cache_queries=pm.prefix_queries, prefix_cache_hits=pm.prefix_hits,
+                       num_preemptions=sched.num_preemptions)
