@@ -70,17 +70,24 @@ def engine_options(config: ServeConfig, role: str, index: int) -> dict[str, Any]
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """The Serve application for `args` (see the module docstring)."""
+    """The Serve application for `args` (see the module docstring). One parameter: Serve's application
+    builders take the args alone."""
+    return wire_app(args, engine_server=EngineServer, router=Router)
+
+
+def wire_app(args: dict[str, Any] | None, *, engine_server, router) -> Application:
+    """`build_app` with the engine server and router deployments to bind (tests bind the drill deployments of
+    deploy/testing.py; production binds `EngineServer` and `Router`)."""
     config = config_from_args(args)
     model_dir = str(resolve_model_dir(config))
     model_name = model_name_for(config, model_dir)
     engines = {
-        role: [EngineServer.options(**engine_options(config, role, i)).bind(config, model_dir, role, i, model_name)
+        role: [engine_server.options(**engine_options(config, role, i)).bind(config, model_dir, role, i, model_name)
                for i in range(group.replicas)]
         for role, group in config.groups().items()
     }
-    router = Router.options(num_replicas=config.router_replicas,
-                            ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(engines, config)
+    router_app = router.options(name="Router", num_replicas=config.router_replicas,
+                                ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(engines, config)
     return Ingress.options(num_replicas=config.ingress_replicas,
                            ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}).bind(
-        router, config, model_dir, model_name)
+        router_app, config, model_dir, model_name)

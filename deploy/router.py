@@ -50,11 +50,6 @@ HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (its in
 
 ReplicaKey = tuple[str, int]  # (role, index)
 PairKey = tuple[ReplicaKey, ReplicaKey]  # (prefill replica, decode replica)
-# router-side faults for tests (transfer faults live on prefill replicas): hold a relayed request between its first
-# token and the decode stream for PAUSE_S (the client leaves meanwhile) or DELAY_S (the decode runs ahead unattended)
-FAULT_KINDS = ("pause_before_decode", "delay_before_decode")
-PAUSE_S = 120.0
-DELAY_S = 0.5
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -78,7 +73,6 @@ class Router:
         self._pairs: dict[PairKey, int] = {}  # open pair generation per (prefill, decode) replica pair
         self._pair_lock: asyncio.Lock | None = None
         self._touched: dict[str, list[tuple[ReplicaKey, str]]] = {}  # request id -> (replica, engine id) to abort
-        self._faults: dict[str, str] = {}
         self._retry_prefill = config.transfer.retry_prefill
         self._admit_wait_s = config.transfer.admit_wait_s
         self._watching: set[asyncio.Task] = set()  # prefill streams read on after the decode stream started
@@ -414,9 +408,7 @@ class Router:
                 logger.warning("request %s: KV transfer %s -> %s failed: %s", rid, p, d, why)
                 await self._abort_on(d, tid)
                 await self._repair(p, d)  # and run the prefill once more
-            fault = self._faults.get(rid)
-            if fault in FAULT_KINDS:  # tests: a client gone between prefill and decode, a late decode stream
-                await asyncio.sleep(PAUSE_S if fault == "pause_before_decode" else DELAY_S)
+            await self._before_decode(rid)
             sample = first.samples[0]
             token = FirstToken(token_id=sample.token_ids[0], text_len=len(sample.text),
                                logprobs=sample.logprobs[0] if sample.logprobs else None)
@@ -508,18 +500,9 @@ class Router:
         except Exception:  # the replica is gone: its pages went with it
             logger.warning("abort of %s on %s failed", engine_request_id, key)
 
-    async def inject_faults(self, faults: dict[str, str], retry_prefill: bool | None = None,
-                            admit_wait_s: float | None = None) -> None:
-        """Tests and drills: router-side faults by request id (`pause_before_decode`), the retry switch and the
-        admission wait."""
-        bad = {k: v for k, v in faults.items() if v not in FAULT_KINDS}
-        if bad:
-            raise ValueError(f"faults: unknown kinds {bad}; known {FAULT_KINDS}")
-        self._faults = dict(faults)
-        if retry_prefill is not None:
-            self._retry_prefill = retry_prefill
-        if admit_wait_s is not None:
-            self._admit_wait_s = admit_wait_s
+    async def _before_decode(self, request_id: str) -> None:
+        """Between a request's first token and its decode stream. Nothing happens here; it is the seam where
+        `deploy.testing.DrillRouter` pauses (a client gone meanwhile, a decode running ahead unattended)."""
 
     async def pairs(self) -> dict[str, int]:
         """Open KV pairs: 'prefill-i->decode-j' -> generation."""

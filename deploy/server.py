@@ -45,7 +45,6 @@ RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_KV_S = 1.0
 RETRY_AFTER_OOM_S = 1.0  # a step that ran out of memory: with less load beside it the request may fit
 SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
-HOLD_PREFILL_S = 5.0  # hold_prefills: how long a held prefill waits before it starts
 KEEP_ANSWERS = 1024  # prefill answers kept for decode streams that have not come yet (fail_remote)
 SUBSCRIPTION_IDLE_S = 1.0  # an idle subscription still sends an empty item this often (a gone subscriber shows)
 
@@ -234,7 +233,6 @@ class EngineServer:
         self._boxes: dict[str, _Outbox] = {}  # subscriber (ingress replica) -> its requests' unsent events
         # decode: what the prefill answered instead of sending the KV, for the request's stream (fail_remote)
         self._answers: dict[str, EngineEvent] = {}
-        self._held_prefills: dict[str, str] = {}  # tests: prefills made to wait (hold_prefills)
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -445,8 +443,6 @@ class EngineServer:
         from workers.async_engine import EngineDeadError, QueueFullError
         from workers.request import StepFailedError
 
-        if self._held_prefills.get(req.request_id) == "hold":  # tests: a prefill that has not started yet
-            await asyncio.sleep(HOLD_PREFILL_S)
         tracker = _DeltaTracker()
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt,
                                         handoff_to=decode_group, transfer_id=transfer_id)
@@ -507,18 +503,6 @@ class EngineServer:
         await self._require_engine().call(lambda e: e.kv_connect(decode_group, listened))
         engine = self._engine.engine
         await asyncio.to_thread(engine.kv_wait_ready, None, decode_group)
-
-    async def inject_transfer_faults(self, faults: dict[str, str]) -> None:
-        """Tests and drills: break the KV transfers of these ids (FaultyChannel kinds); {} clears."""
-        await self._require_engine().call(lambda e: e.set_transfer_faults(faults))
-
-    async def hold_prefills(self, holds: dict[str, str]) -> None:
-        """Tests and drills: {request id: "hold"} makes `prefill` of those ids wait `HOLD_PREFILL_S` before it
-        starts (a prefill queued behind long ones); {} clears."""
-        bad = {k: v for k, v in holds.items() if v != "hold"}
-        if bad:
-            raise ValueError(f"holds: unknown kinds {bad}; known ('hold',)")
-        self._held_prefills = dict(holds)
 
     # -- disaggregation: decode side ------------------------------------------------------------------------
     async def admit(self, req: EngineRequest, prefill_group: str, transfer_id: str | None = None,
@@ -632,10 +616,6 @@ class EngineServer:
 
     async def kv_broken(self, group: str) -> str | None:
         return await self._require_engine().call(lambda e: e.kv_broken(group))
-
-    async def hold_pages(self, num_pages: int) -> int:
-        """Tests and drills: take pages out of this replica's pool (0 gives them back)."""
-        return await self._require_engine().call(lambda e: e.hold_pages(num_pages))
 
     async def transfer_totals(self) -> dict:
         """Totals of the KV transfers fed to the metrics (`transfers`, `failed`, `bytes`, `seconds`)."""

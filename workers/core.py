@@ -296,21 +296,8 @@ class EngineCore:
         """Free the pages a finished sequence kept (a prefill handoff's, once its transfer settled)."""
         self.pages.free(seq_id)
 
-    def hold_pages(self, num_pages: int) -> int:
-        """Take `num_pages` free pages out of the pool (tests and drills: a full decode replica); 0 gives them
-        back. Returns how many are held."""
-        self.pages.free(_HOLD_SEQ_ID)
-        if num_pages > 0:
-            self.pages.admit(_HOLD_SEQ_ID)
-            if not self.pages.allocate(_HOLD_SEQ_ID, num_pages * self.pages.page_size):
-                self.pages.free(_HOLD_SEQ_ID)
-                raise ValueError(f"num_pages: only {self.pages.num_free_pages} pages are free")
-        return num_pages
-
 
 def _finished_reason(req: Request) -> str:
     reasons = [q.finish_reason for q in req.seqs]
     return "stop" if "stop" in reasons else reasons[0]
 
-
-_HOLD_SEQ_ID = -1  # the page manager owner of `EngineCore.hold_pages`

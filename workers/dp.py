@@ -258,27 +258,6 @@ class DPEngine(EngineAPI):
         return next((f"dp rank {d}: {why}" for d, kv in enumerate(self.connectors) if (why := kv.kv_broken(group))),
                     None)
 
-    def set_transfer_faults(self, faults: dict[str, str]) -> None:
-        if self.role != "prefill":
-            raise ValueError(f"faults: injected on the sending (prefill) side; this engine is {self.role}")
-        for kv in self.connectors:
-            kv.set_faults(faults)
-
-    def hold_pages(self, num_pages: int) -> int:
-        """Take `num_pages` free pages out of the pools (filling dp ranks in order); 0 gives them back."""
-        for core in self.cores:
-            core.hold_pages(0)
-        free = [core.pages.num_free_pages for core in self.cores]
-        if num_pages > sum(free):
-            raise ValueError(f"num_pages: only {sum(free)} pages are free")
-        left = num_pages
-        for core, n in zip(self.cores, free):
-            take = min(left, n)
-            if take:
-                core.hold_pages(take)
-            left -= take
-        return num_pages
-
     def _forget_settled(self) -> None:
         """Drop the owner of requests no dp rank holds any more. A remote whose KV never came ends without an
         output (`pop_failures` reports it); a prefill's output is finished at its first token while its KV

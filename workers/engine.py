@@ -109,15 +109,6 @@ class Engine(EngineAPI):
     def kv_broken(self, group: str) -> str | None:
         return self.kv.kv_broken(group)
 
-    def set_transfer_faults(self, faults: dict[str, str]) -> None:
-        """Tests and drills: break the transfers of these ids (FaultyChannel kinds) on this prefill engine."""
-        self.kv.set_faults(faults)
-
-    def hold_pages(self, num_pages: int) -> int:
-        """Take `num_pages` free pages out of the pool (tests and drills: a full decode replica); 0 gives them
-        back. Returns how many are held."""
-        return self.core.hold_pages(num_pages)
-
     def shutdown(self) -> None:
         self._shutdown_connectors()
         self.executor.shutdown()

@@ -111,9 +111,9 @@ class ServeApp:
         """Deploy another app (same Serve instance) at route prefix `/<name>`; returns its base URL."""
         from ray import serve
 
-        from deploy.app import build_app
+        from deploy.testing import build_drill_app
 
-        serve.run(build_app({"config": config}), name=name, route_prefix=f"/{name}",
+        serve.run(build_drill_app({"config": config}), name=name, route_prefix=f"/{name}",
                   logging_config={"enable_access_log": False})
         self.extra_apps.append(name)
         return f"{self.base_url}/{name}"
@@ -148,7 +148,7 @@ def serve_app() -> ServeApp:
     import ray
     from ray import serve
 
-    from deploy.app import build_app
+    from deploy.testing import build_drill_app
     from deploy.ingress import model_name_for
     from deploy.app import config_from_args
     from deploy.server import resolve_model_dir
@@ -165,7 +165,7 @@ def serve_app() -> ServeApp:
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
-        serve.run(build_app({"config": TEST_CONFIG}), name=APP_NAME, route_prefix="/",
+        serve.run(build_drill_app({"config": TEST_CONFIG}), name=APP_NAME, route_prefix="/",
                   logging_config={"enable_access_log": False})
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base)

@@ -181,3 +181,22 @@ def test_cli_flags_override_the_config_file_and_bad_args_are_named():
     built = resolve_deployments(build_app({"config_file": "configs/serve/gpu-2-pd.yaml"}), name="m3serve")
     names = {d.name for d in built.deployments}
     assert {"EngineServer-prefill-0", "EngineServer-decode-0", "Router", "Ingress"} <= names, names
+
+
+def test_production_wiring_binds_no_test_hooks():
+    """DESIGN.md §10: fault injection, holds and pauses live in deploy/testing.py's drill deployments, which the
+    production app never binds; the drill app binds them under the same deployment names."""
+    from ray.serve._private.build_app import build_app as resolve_deployments
+
+    from deploy.app import build_app
+    from deploy.testing import DrillEngineServer, DrillRouter, build_drill_app
+
+    hooks = {"inject_transfer_faults", "hold_prefills", "hold_pages", "inject_faults", "set_transfer_faults"}
+    args = {"config_file": "configs/serve/gpu-2-pd.yaml"}
+    prod = {d.name: d.func_or_class for d in resolve_deployments(build_app(args), name="m3serve").deployments}
+    for name, cls in prod.items():
+        assert not hooks & set(dir(cls)), f"{name} ({cls.__name__}) carries a test hook"
+    drill = {d.name: d.func_or_class for d in resolve_deployments(build_drill_app(args), name="m3serve").deployments}
+    assert drill.keys() == prod.keys()
+    assert drill["Router"] is DrillRouter.func_or_class
+    assert drill["EngineServer-prefill-0"] is DrillEngineServer.func_or_class

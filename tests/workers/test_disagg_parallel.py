@@ -149,16 +149,17 @@ def _refused_from_tp2(engines: dict, groups: dict) -> dict:
     """The tp2 prefill group's headers are corrupted on both shards: the decode shard refuses both, both sides
     fail the request and free its pages; the pairs stay usable (the next request goes through)."""
     from workers.request import SamplingParams
+    from workers.testing import set_transfer_faults
 
     prefill, decode = engines["prefill_tp2"], engines["decode_tp1"]
     p_group, d_group = groups[("prefill_tp2", "decode_tp1")]
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = _prompts()[5]
-    prefill.set_transfer_faults({"bad": "corrupt_header"})
+    set_transfer_faults(prefill, {"bad": "corrupt_header"})
     decode.admit_remote("bad", prompt, sp, group=p_group)
     prefill.add_request("bad", prompt, sp, handoff_to=d_group)
     st = _drive(prefill, decode, lambda s: "bad" in s["outcomes"] and "bad" in s["failures"])
-    prefill.set_transfer_faults({})
+    set_transfer_faults(prefill, {})
     out = {"outcome": list(st["outcomes"]["bad"]), "failure": st["failures"]["bad"],
            "broken": [prefill.kv_broken(d_group), decode.kv_broken(p_group)]}
     decode.admit_remote("good", prompt, sp, group=p_group)
@@ -271,17 +272,18 @@ def _full_dp_pool(engines: dict, groups: dict) -> dict:
     """No dp rank has room: the admission is refused (None) and nothing is reserved; with the pages back the
     same admission succeeds."""
     from workers.request import SamplingParams
+    from workers.testing import hold_pages
 
     decode = engines["decode_dp2"]
     p_group, _d_group = groups[("prefill_tp1", "decode_dp2")]
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     prompt = _prompts()[7]  # 150 tokens = 10 pages
     free = decode.stats().num_pages_free
-    decode.hold_pages(free - 9)  # dp rank 0's pool taken whole, then all but 9 of dp rank 1's
+    hold_pages(decode, free - 9)  # dp rank 0's pool taken whole, then all but 9 of dp rank 1's
     out = {"free_each": [c.pages.num_free_pages for c in decode.cores],
            "refused": decode.admit_remote("full", prompt, sp, group=p_group) is None,
            "owner": decode.dp_rank_of("full")}
-    decode.hold_pages(0)
+    hold_pages(decode, 0)
     out["admitted"] = decode.admit_remote("full", prompt, sp, group=p_group) is not None
     out["aborted"] = decode.abort_request("full")
     _settle(decode)

@@ -14,6 +14,7 @@ from workers.config import EngineConfig
 from workers.engine import Engine, role_engine_config
 from workers.request import SamplingParams
 from workers.kv.config import TransferConfig, TransferState
+from workers.testing import hold_pages
 
 # prompts past 64 tokens: the tiny model's sparse layers select 4 of up to 10 blocks
 LENGTHS = [5, 17, 33, 64, 65, 90, 120, 150]
@@ -267,9 +268,9 @@ def test_decode_pool_full_refuses_and_lease_frees(pair):
     prefill, decode = pair
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     p = prompts()[6]
-    decode.hold_pages(decode.pages.num_free_pages - 2)
+    hold_pages(decode, decode.pages.num_free_pages - 2)
     assert decode.admit_remote("full", p, sp, group=P_GROUP) is None  # no room: nothing reserved
-    decode.hold_pages(0)
+    hold_pages(decode, 0)
     assert_empty(decode)
     # admitted, but neither KV nor first token ever comes: the lease frees the pages
     lease = dataclass_replace_lease(decode, 0.3)

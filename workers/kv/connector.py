@@ -140,11 +140,6 @@ class KVConnector:
         for agent in self.agents:
             agent.add_listener(fn)
 
-    def set_faults(self, faults: dict[str, str]) -> None:
-        """Tests and drills: break the transfers of these ids (FaultyChannel kinds)."""
-        for agent in self.agents:
-            agent.set_faults(faults)
-
     def mark(self, kind: str, request_id: str, phases: Mapping[str, float] | None = None) -> None:
         """Record a handoff event: (time.time(), kind, request id, the transfer's phase marks or None). Wall
         clock, so the prefill and decode replicas' marks and the benchmark client's times share one axis; the
