@@ -306,6 +306,8 @@ class EngineAPI:
         """Summed over ranks (pages: the pools of all ranks together); requests whose pages are reserved while
         their KV arrives count as running."""
         parts = [_rank_stats(self.role, r) for r in self.ranks]
+        if len(parts) == 1:
+            return parts[0]
         summed = {f.name: sum(getattr(s, f.name) for s in parts)
                   for f in dataclasses.fields(EngineStats) if f.name != "role"}
         return EngineStats(role=self.role, **summed)

@@ -60,10 +60,10 @@ class OutputProcessor:
             t = self._texts[out.request_id]
             touched[out.request_id] = t
             self._on_token(core, t, out)
-        results = [self.output(t.req.request_id) for t in touched.values()]
-        for rid, t in touched.items():
-            if t.req.finished:
-                del self._texts[rid]
+        results = [self.output(rid) for rid in touched]
+        for r in results:
+            if r.finished:
+                del self._texts[r.request_id]
         return results
 
     def first_logprobs(self, request_id: str) -> dict[int, float] | None:
