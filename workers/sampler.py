@@ -5,6 +5,8 @@ per vocabulary entry): building the small per-row parameter tensors and drawing 
 
 Order of operations (vLLM's, so users get the same behaviour):
   raw logits --(logprobs are taken here: log_softmax of the raw logits)
+  -> grammar bitmask (structured outputs, `workers.structured`): ids the row's grammar forbids set to -inf, first,
+     so no later stage can bring one back
   -> suppressed ids (e.g. EOS before `min_tokens`) set to -inf
   -> repetition penalty (tokens seen in prompt or output), then frequency and presence penalties (output only)
   -> greedy rows: argmax here
@@ -14,6 +16,11 @@ The draw uses the exponential race: with E_i ~ Exp(1) i.i.d., argmax_i p_i / E_i
 seeded row draws its E from its own `torch.Generator`, so a seeded request gets the same tokens whatever else
 is in the batch. Rows without a generator share one batched draw from the sampler's generator (or torch's
 default one).
+
+Logprobs under a grammar are those of the raw logits: the model's own probability of the token it was forced
+to, and top-N lists that may name forbidden tokens. vLLM v1 masks in its model runner before its sampler, so its
+logprobs on constrained rows are of the masked (renormalised) distribution instead; we keep the raw ones, as for
+every other stage here (penalties, top-k and temperature do not change logprobs either).
 
 Parallel samples (`n > 1`) are separate rows; the engine gives sample j of a request seeded `s` the generator
 `make_generator(s, j, device)`, i.e. seed `s + j` (vLLM's convention), so the samples differ yet reproduce.
@@ -29,6 +36,7 @@ import torch
 
 from msa.metadata import host_tensor
 from workers.request import SamplingParams
+from workers.structured import apply_token_bitmask
 
 # Temperatures below this are treated as greedy: dividing by them would overflow fp32 logits.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -86,6 +94,8 @@ class SamplingBatch:
     output_ids: torch.Tensor | None  # [M'] int64
     suppressed_rows: torch.Tensor | None  # [S] int64
     suppressed_ids: torch.Tensor | None  # [S] int64
+    # [N, ceil(V / 32)] int32 packed allowed-token bits (workers.structured.fill_token_bitmask); None: no grammar
+    token_bitmask: torch.Tensor | None
     generators: tuple[torch.Generator | None, ...]  # per row
     num_logprobs: int  # K = max requested top logprobs (0 = none)
     all_greedy: bool
@@ -106,11 +116,14 @@ class SamplingBatch:
         device: torch.device | str,
         *,
         suppressed_ids: Sequence[Sequence[int]] | None = None,
+        token_bitmask: torch.Tensor | np.ndarray | None = None,
         stage: Callable[[list[tuple[Sequence, torch.dtype]]], list[torch.Tensor]] | None = None,
     ) -> "SamplingBatch":
         """One row per sequence being sampled this step (a request with n > 1 has n rows).
 
         `suppressed_ids[i]`: ids row i may not sample (see `suppressed_token_ids` for `min_tokens`).
+        `token_bitmask`: [N, W] int32 host bitmask of the grammar rows (`workers.structured.fill_token_bitmask`;
+        None when no row has one); it rides in the same staged copy as the rest.
         `stage`: puts [(host values, dtype)] on `device` in one go (the runner's `msa.metadata.Stager.stage`: one
         pinned non-blocking copy, so the batch is built while the forward still runs); None: one copy a tensor.
         """
@@ -148,6 +161,11 @@ class SamplingBatch:
                              for p, out in zip(params, output_token_ids)])
         if suppressed_ids is not None and any(len(s) for s in suppressed_ids):
             pairs("suppressed", [(s,) for s in suppressed_ids])
+        if token_bitmask is not None:
+            bits = np.asarray(token_bitmask, dtype=np.int32)  # a CPU tensor: a view, no copy
+            if bits.ndim != 2 or bits.shape[0] != n:
+                raise ValueError(f"token_bitmask: expected [{n}, W] int32, got {list(bits.shape)}")
+            lists["token_bitmask"] = (bits.reshape(-1), torch.int32)
         if stage is None:
             dev = torch.device(device)
             tensors = [host_tensor(values, dtype).to(dev, non_blocking=True) for values, dtype in lists.values()]
@@ -160,6 +178,7 @@ class SamplingBatch:
             seen_rows=t.get("seen_rows"), seen_ids=t.get("seen_ids"), output_rows=t.get("output_rows"),
             output_ids=t.get("output_ids"), suppressed_rows=t.get("suppressed_rows"),
             suppressed_ids=t.get("suppressed_ids"),
+            token_bitmask=None if token_bitmask is None else t["token_bitmask"].view(n, -1),
             generators=tuple(generators),
             num_logprobs=max((p.logprobs or 0) for p in params) if params else 0,
             all_greedy=all(greedy),
@@ -300,6 +319,9 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_token_ids=top_ids, top_logprobs=top_lps)
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.token_bitmask is not None:
+            logits = logits.clone()  # masked in place; the raw logits still serve the logprobs
+            apply_token_bitmask(logits, batch.token_bitmask)
         if batch.suppressed_ids is not None:
             # the -inf made on the device: a host scalar would be a synchronising copy
             logits = logits.index_put((batch.suppressed_rows, batch.suppressed_ids),
