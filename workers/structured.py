@@ -3,7 +3,7 @@ per constrained request, and the packed token bitmask the sampler applies to the
 
 What it holds:
   - `GrammarSpec`: what a request asks for (`json_object`, `json_schema`, and vLLM's extras `choice`, `regex`,
-    EBNF `grammar`), hashable: the cache key.
+    EBNF `grammar`, xgrammar `structural_tag`: the way to force a tool call's markers), hashable: the cache key.
   - `StructuredOutputCompiler`: built once per engine from our `Tokenizer` and the lm_head's vocab size; compiles
     specs (LRU-cached by spec) and hands out `GrammarState`s.
   - `GrammarState`: one request's matcher: `fill_bitmask(bitmask, row)`, `accept(token)`, `is_terminated()`,
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from workers.tokenizer import Tokenizer
 
-KINDS = ("json_object", "json_schema", "choice", "regex", "grammar")
+KINDS = ("json_object", "json_schema", "choice", "regex", "grammar", "structural_tag")
 # Bits per word of the packed bitmask (xgrammar's layout: int32 words, bit j of word w = token 32 * w + j).
 WORD_BITS = 32
 # Whitespace allowed between JSON tokens. Unlimited whitespace lets a model loop on newlines until max_tokens (a
@@ -115,6 +115,14 @@ class GrammarSpec:
         """An EBNF grammar in xgrammar's (GBNF-like) syntax with a `root` rule."""
         return cls("grammar", ebnf)
 
+    @classmethod
+    def structural_tag(cls, tag: dict | str) -> "GrammarSpec":
+        """An xgrammar structural tag ({"type": "structural_tag", "format": {...}}): sequences of literal text,
+        single tokens by id, JSON schemas, regexes and grammars; vLLM's `structural_tag` response format."""
+        if isinstance(tag, dict):
+            tag = json.dumps(tag, ensure_ascii=False, separators=(",", ":"))
+        return cls("structural_tag", tag)
+
 
 def _choice_ebnf(choices: list[str]) -> str:
     """root ::= "a" | "b" ...: each choice a string literal. JSON string escapes (\\" \\\\ \\n \\uXXXX) are valid
@@ -122,14 +130,18 @@ def _choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def tokenizer_info(tokenizer: "Tokenizer", vocab_size: int | None = None) -> "xgrammar.TokenizerInfo":
+def tokenizer_info(tokenizer: "Tokenizer", vocab_size: int | None = None,
+                   grammar_special_tokens: Sequence[int] = ()) -> "xgrammar.TokenizerInfo":
     """xgrammar's view of our tokenizer, without transformers' AutoTokenizer: the raw vocab of the `tokenizers`
     backend (ids kept), its encoding (byte-level / byte-fallback / raw, read by xgrammar from tokenizer.json) and
     the EOS ids as stop tokens.
 
     vocab_size: the lm_head's width (the mask's width); ids the tokenizer lacks (padding) are never allowed.
     Special added tokens (BOS, PAD, role markers) are blanked: xgrammar would otherwise read them as their literal
-    text (a "<s>" inside a JSON string) while detokenization drops them; blank entries are never allowed."""
+    text (a "<s>" inside a JSON string) while detokenization drops them; blank entries are never allowed. Except
+    `grammar_special_tokens`: ids a grammar must be able to emit (a tool call's marker token, matched by id in a
+    structural tag); text grammars may then also produce them where their literal text fits, the cost of keeping
+    them."""
     xgr = _xgr()
     backend = tokenizer.backend
     vocab = backend.get_vocab(with_added_tokens=True)
@@ -137,7 +149,7 @@ def tokenizer_info(tokenizer: "Tokenizer", vocab_size: int | None = None) -> "xg
     encoded = [""] * size
     for token, idx in vocab.items():
         encoded[idx] = token
-    for idx in tokenizer.special_token_ids:
+    for idx in tokenizer.special_token_ids - set(grammar_special_tokens):
         encoded[idx] = ""
     # A documented-private helper, but it is exactly what `TokenizerInfo.from_huggingface` does with a fast
     # tokenizer's backend string; going through transformers would add a dependency for no gain.
@@ -151,12 +163,14 @@ class StructuredOutputCompiler:
     """Compiles `GrammarSpec`s for one tokenizer and model vocab; thread-safe; LRU cache of `cache_size` grammars.
 
     `vocab_size`: the model's lm_head width (>= the tokenizer's; None: the tokenizer's). Bitmasks are
-    [N, bitmask_width] int32 with bitmask_width = ceil(vocab_size / 32)."""
+    [N, bitmask_width] int32 with bitmask_width = ceil(vocab_size / 32). `grammar_special_tokens`: see
+    `tokenizer_info`."""
 
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int | None = None, *, max_threads: int = 2,
-                 cache_size: int = _DEFAULT_CACHE_SIZE, any_whitespace: bool = True) -> None:
+                 cache_size: int = _DEFAULT_CACHE_SIZE, any_whitespace: bool = True,
+                 grammar_special_tokens: Sequence[int] = ()) -> None:
         xgr = _xgr()
-        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size, grammar_special_tokens)
         self.vocab_size: int = self.tokenizer_info.vocab_size
         self.stop_token_ids: tuple[int, ...] = tuple(self.tokenizer_info.stop_token_ids)
         if not self.stop_token_ids:
@@ -197,6 +211,8 @@ class StructuredOutputCompiler:
                 return c.compile_grammar(_choice_ebnf(json.loads(spec.spec)))
             if spec.kind == "regex":
                 return c.compile_regex(spec.spec)
+            if spec.kind == "structural_tag":
+                return c.compile_structural_tag(spec.spec)
             return c.compile_grammar(spec.spec)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeError subclasses
             raise GrammarError(f"{spec.kind}: cannot compile: {_error_text(e)}") from None

@@ -256,6 +256,8 @@ def test_compile_cache_and_errors(compiler):
     for bad in (lambda: compiler.compile(GrammarSpec.regex("((")),
                 lambda: compiler.compile(GrammarSpec.json_schema({"type": "frob"})),
                 lambda: compiler.compile(GrammarSpec.grammar("root ::= ")),
+                lambda: compiler.compile(GrammarSpec.structural_tag({"type": "structural_tag",
+                                                                     "format": {"type": "?"}})),
                 lambda: GrammarSpec.choice([]), lambda: GrammarSpec.json_schema("{not json"),
                 lambda: GrammarSpec("xml")):
         with pytest.raises(GrammarError):
@@ -312,3 +314,23 @@ def test_parallel_fill_matches_row_by_row(compiler, tokenizer):
     parallel = fill_token_bitmask(states, compiler.vocab_size, torch.zeros(24, compiler.bitmask_width,
                                                                            dtype=torch.int32), threads=2)
     assert torch.equal(serial, parallel) and len({tuple(r.tolist()) for r in serial}) > 4
+
+
+def test_structural_tag_forces_a_marker_token_then_json(tokenizer):
+    """A tool call's shape: a special marker token (by id), then arguments by JSON schema. The marker must be
+    listed in grammar_special_tokens: special tokens are otherwise never allowed."""
+    marker = special_token_ids(tiny_config()).role_ids["user"]
+    args = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer",
+            "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token", "token": marker}, {"type": "json_schema", "json_schema": args}]}}
+    spec = GrammarSpec.structural_tag(tag)
+    outs, done = _generate(StructuredOutputCompiler(tokenizer, grammar_special_tokens=[marker]), spec, seed=5,
+                           rows=8)
+    assert all(done) and all(o[0] == marker and marker not in o[1:] for o in outs)
+    for o in outs:
+        jsonschema.validate(json.loads(tokenizer.decode(o[1:])), args)
+    state = StructuredOutputCompiler(tokenizer).state(spec)  # the marker blanked: nothing can start
+    bm = allocate_token_bitmask(1, state.vocab_size)
+    state.fill_bitmask(bm, 0)
+    assert not _allowed_ids(bm[0], state.vocab_size)
