@@ -335,13 +335,24 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     covered = min(logits.shape[1], bitmask.shape[1] * WORD_BITS)
-    if logits.device.type == "cuda" or (logits.dtype == torch.float32 and logits.is_contiguous()):
-        _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered)
-    else:
+    kernel = logits.is_contiguous() and (logits.device.type == "cuda" or logits.dtype == torch.float32)
+    try:
+        if kernel:  # xgrammar's: triton on CUDA, C++ on CPU
+            _xgr().apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered)
+    except ImportError:  # a CUDA torch without triton: the torch reference does the same, slower
+        kernel = False
+    if not kernel:
         apply_token_bitmask_torch(logits[:, :covered], bitmask)
     if logits.shape[1] > covered:
         constrained = (bitmask != -1).any(dim=1, keepdim=True)
         logits[:, covered:].masked_fill_(constrained, float("-inf"))
+
+
+def warm_up(device: torch.device | str, vocab_size: int) -> None:
+    """Import xgrammar and compile its mask kernel for `device` now (on CUDA, triton's JIT takes seconds), so the
+    first constrained request does not pay it. Call at engine start when structured outputs are enabled."""
+    logits = torch.zeros(1, vocab_size, device=device)
+    apply_token_bitmask(logits, allocate_token_bitmask(1, vocab_size))
 
 
 def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -352,4 +363,4 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> No
 
 
 __all__ = ["GrammarError", "GrammarSpec", "GrammarState", "KINDS", "StructuredOutputCompiler", "allocate_token_bitmask",
-           "apply_token_bitmask", "apply_token_bitmask_torch", "fill_token_bitmask", "tokenizer_info"]
+           "apply_token_bitmask", "apply_token_bitmask_torch", "fill_token_bitmask", "tokenizer_info", "warm_up"]

@@ -24,6 +24,7 @@ from workers.structured import (
     apply_token_bitmask,
     apply_token_bitmask_torch,
     fill_token_bitmask,
+    warm_up,
 )
 from workers.tokenizer import Tokenizer
 
@@ -216,6 +217,29 @@ def test_cpu_kernel_matches_torch_reference(dtype):
     assert torch.equal(torch.isneginf(ref), expect == 0)
 
 
+def test_kernel_missing_or_strided_logits_fall_back_to_torch(monkeypatch):
+    import xgrammar
+
+    gen = torch.Generator().manual_seed(6)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 8), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(4, 256, generator=gen)
+    ref = logits.clone()
+    apply_token_bitmask_torch(ref, bitmask)
+    strided = torch.randn(256, 4).t()  # [4, 256], not contiguous
+    strided.copy_(logits)
+    apply_token_bitmask(strided, bitmask)
+    assert torch.equal(strided, ref)
+
+    def no_triton(*args, **kwargs):
+        raise ImportError("Triton is not installed")
+
+    monkeypatch.setattr(xgrammar, "apply_token_bitmask_inplace", no_triton)
+    ours = logits.clone()
+    apply_token_bitmask(ours, bitmask)
+    assert torch.equal(ours, ref)
+    warm_up("cpu", 100)  # runs through the same path
+
+
 def test_logits_wider_than_the_tokenizer(tokenizer):
     tok_vocab = tokenizer.vocab_size
     wide = StructuredOutputCompiler(tokenizer, tok_vocab + 50)  # a padded lm_head
@@ -267,6 +291,7 @@ def test_compile_cache_and_errors(compiler):
 @pytest.mark.gpu
 def test_cuda_apply_and_staged_sampling(compiler, tokenizer):
     dev = torch.device("cuda")
+    warm_up(dev, compiler.vocab_size)
     gen = torch.Generator().manual_seed(11)
     bitmask = torch.randint(-2**31, 2**31 - 1, (8, compiler.bitmask_width), generator=gen,
                             dtype=torch.int64).to(torch.int32)
