@@ -21,13 +21,14 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import chat, extras, guard, openapi
+from deploy import chat, extras, guard, metrics_endpoint, openapi
 from deploy.config import ServeConfig
+from deploy.metrics_endpoint import ArrivalStamp, RequestTiming
 from deploy.protocol import (
     ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
     ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DetokenizeRequest,
@@ -71,7 +72,8 @@ class ApiError(Exception):
 
 
 app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3 on Ray Serve")
-# the key and the body size, checked before FastAPI reads a byte (deploy/guard.py); the replica sets the config
+app.add_middleware(ArrivalStamp)  # stamps each request's arrival for the client-visible latency metrics
+# the key and the body size, checked before FastAPI reads a byte (deploy/guard.py); added last, so outermost
 app.add_middleware(guard.Guard, config_of=lambda: getattr(app.state, "guard", None))
 openapi.install(app)  # /openapi.json documents the 400s, SSE and text bodies this server really sends
 
@@ -409,6 +411,7 @@ class _Stream:
         self.redirect: Redirect | None = None
         self.started: Redirect | None = None  # set once the redirected request was started on its replica
         self.first: EngineChunk | EngineError | BaseException | None = None
+        self.timing = RequestTiming()  # client-visible TTFT / e2e (deploy/metrics_endpoint.py)
         self.done = False
         self._released = False
         self._events = self._follow()
@@ -433,6 +436,7 @@ class _Stream:
     async def receive_first(self) -> None:
         try:
             self.first = await self._events.__anext__()
+            self.timing.first_event()
         except StopAsyncIteration:
             self.first = EngineError(status=500, message="the engine ended the request without output",
                                      code="internal_error")
@@ -458,8 +462,11 @@ class _Stream:
         """Whether `event` ends the request (an error raises ApiError)."""
         if isinstance(event, EngineError):
             self.done = True
+            self.timing.end("error")
             raise ApiError.from_engine(event)
         self.done = event.finished
+        if event.finished:
+            self.timing.end("finished")
         return event.finished
 
     def close(self) -> None:
@@ -467,6 +474,7 @@ class _Stream:
         also aborts on its replica (in case its call never started there) and is released at the router."""
         if not self.done:
             self.done = True
+            self.timing.end("abort")
             self.gen.cancel()
             if self.started is not None:
                 self.engines.abort(self.started)
@@ -595,6 +603,7 @@ class Ingress:
         self._tokenizer = None
         self._sampling_defaults: dict[str, Any] = {}
         self._tokenizer_error: str | None = None
+        metrics_endpoint.IngressMetrics.install(model_name)
         try:
             from workers.tokenizer import Tokenizer
 
@@ -731,12 +740,11 @@ class Ingress:
         return JSONResponse(extras.detokenize(self._tokenizer, body))
 
     @app.get("/metrics")
-    async def metrics(self) -> PlainTextResponse:
-        # Placeholder exposition of this replica's registry; the metrics issue (deploy/metrics.py) exports
-        # every replica's metrics through Ray's metrics port.
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self, request: Request) -> Response:
+        """Every replica's series of the app, vLLM's names where vLLM has them (deploy/metrics_endpoint.py)."""
+        families = await metrics_endpoint.gather(self._config, metrics_endpoint.local_families())
+        body, content_type = metrics_endpoint.exposition(families, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/admin/stats")
     async def admin_stats(self, request: Request) -> JSONResponse:

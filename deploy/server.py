@@ -212,6 +212,7 @@ class EngineServer:
         self._model_dir = model_dir
         self._model_name = model_name or Path(model_dir).name
         self._reporter = None  # deploy.metrics.EngineReporter: feeds Prometheus from the engine's stats
+        self._export = None  # deploy.metrics_endpoint.ReplicaExport: this replica's series for the API's /metrics
         self._role = role
         self._index = index
         self._engine = None  # workers.async_engine.AsyncEngine once loaded
@@ -273,8 +274,10 @@ class EngineServer:
     def _start_metrics(self) -> None:
         try:
             from deploy.metrics import EngineMetrics, EngineReporter
+            from deploy.metrics_endpoint import replica_sinks
 
-            metrics = EngineMetrics(model_name=self._model_name, role=self._role, replica=self._index)
+            sink, self._export = replica_sinks(self._role)
+            metrics = EngineMetrics(model_name=self._model_name, role=self._role, replica=self._index, sink=sink)
             self._reporter = EngineReporter(_TransferCounting(self._engine, self._transfer_totals), metrics).start()
         except Exception:  # metrics must never keep the engine from serving
             logger.exception("engine %s-%d: metrics reporter failed to start", self._role, self._index)
@@ -284,6 +287,10 @@ class EngineServer:
         well work); one whose load failed stays, answering 503 with the reason, instead of crash-looping."""
         if self._died:
             raise RuntimeError(f"engine died: {self._error}")
+
+    async def metrics_families(self) -> list:
+        """This replica's series as the API port's /metrics names them (deploy/metrics_endpoint.py)."""
+        return [] if self._export is None else self._export.families()
 
     async def ready(self) -> dict:
         """Load state for /health and the CLI's progress display."""

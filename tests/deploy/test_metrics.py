@@ -109,8 +109,13 @@ def test_record_request_counts_success_failure_and_tokens():
                               token_times=[100.5, 100.7], finished_time=100.7))
     m.record_request(_request(request_id="r3", failure_reason="transfer", generation_tokens=0, token_times=[],
                               first_token_time=None, finished_time=None, prompt_tokens=5))
-    assert _sample(sink, "ray_m3serve_prompt_tokens_total", **_labels()) == 15
-    assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 6
+    # an abort is no success (issue 21): counted as aborted, its tokens counted, no latency observed
+    m.record_request(_request(request_id="r4", finished_reason="abort", prompt_tokens=4, generation_tokens=1,
+                              token_times=[100.5], finished_time=100.9))
+    assert _sample(sink, "ray_m3serve_prompt_tokens_total", **_labels()) == 19
+    assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 7
+    assert _sample(sink, "ray_m3serve_request_abort_total", **_labels()) == 1
+    assert _sample(sink, "ray_m3serve_request_success_total", **_labels(finished_reason="abort")) is None
     assert _sample(sink, "ray_m3serve_request_success_total", **_labels(finished_reason="length")) == 1
     assert _sample(sink, "ray_m3serve_request_success_total", **_labels(finished_reason="stop")) == 1
     assert _sample(sink, "ray_m3serve_request_failure_total", **_labels(reason="transfer")) == 1
