@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--api-key", help="require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
     add("--address", help="join this Ray cluster instead of starting a local one (e.g. auto, 10.0.0.1:6379)")
     add("--num-cpus", type=float, help="CPUs of the local Ray instance (default: all)")
+    add("--metrics-port", type=int,
+        help="Ray's metrics export port of the local instance (ray_m3serve_* of its replicas; default: random). "
+             "The API port's /metrics serves every replica's series either way")
     pd = parser.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
     pd.add_argument("--disaggregate", action="store_true", default=None,
                     help="run prompts on prefill replicas and move their KV pages to decode replicas")
@@ -109,8 +112,9 @@ def _start_ray(args: argparse.Namespace, host: str) -> None:
         return
     if host in LOOPBACK:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    extra = {} if args.metrics_port is None else {"_metrics_export_port": args.metrics_port}
     ray.init(address="local", num_cpus=args.num_cpus or os.cpu_count(), include_dashboard=False,
-             object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False)
+             object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False, **extra)
 
 
 def _wait_ready(router: Any, stop: threading.Event) -> dict:
@@ -149,6 +153,20 @@ def usage_text(base: str, model: str, api_key: bool) -> str:
         f"max_tokens=16).choices[0].message.content)\"\n"
         f"Ctrl-C stops the server."
     )
+
+
+def metrics_text(base: str, host: str, args: argparse.Namespace) -> str:
+    """Where to scrape: the API port's /metrics (every replica), and Ray's export port of this node."""
+    import ray
+
+    if args.address and args.metrics_port is not None:
+        _say("--metrics-port is ignored with --address: the cluster's nodes chose their ports at `ray start`")
+    try:
+        ray_port = ray._private.worker.global_worker.node.metrics_export_port
+    except Exception:  # Ray's internals moved: the API port is the documented place anyway
+        ray_port = None
+    ray_part = f"; Ray's export of this node: http://{host}:{ray_port}/metrics (ray_m3serve_*)" if ray_port else ""
+    return f"metrics: {base}/metrics (every replica, vLLM names){ray_part}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         api_key = config.api_key or os.environ.get("M3SERVE_API_KEY")
         print(usage_text(f"http://{shown_host}:{port}", model_name_for(config, model_dir), bool(api_key)),
               flush=True)
+        _say(metrics_text(f"http://{shown_host}:{port}", shown_host, args))
         stop.wait()
     except KeyboardInterrupt:
         code = 130
