@@ -156,4 +156,6 @@ def has_finite_value(result: list[dict]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)
 
 
-METRIC_NAME_RE = re.compile(r"\bray_m3serve_[a-zA-Z0-9_]+")
+# Series names the dashboard and rules read (the API port's /metrics: vllm:* and m3serve_*), not the rules' own
+# m3serve:* outputs.
+METRIC_NAME_RE = re.compile(r"\b(?:vllm:[a-zA-Z0-9_]+|m3serve_[a-zA-Z0-9_]+)")

@@ -4,7 +4,8 @@ Debian's Prometheus scrapes the Ray node's metrics export port of the shared tes
 leave through it, as on a cluster). A short `m3serve bench` runs against the app; through Prometheus's HTTP API the
 request, token and histogram counts must then have grown by exactly what the bench's JSON result says it sent,
 under `role="unified"`; the histogram buckets must hold exactly the engines' own timings (drained through the
-router), which can be no slower than the client's; and every dashboard query must return data.
+router), which can be no slower than the client's. (The dashboard and the recording rules read the API port's
+/metrics under vLLM's names: tests/deploy/test_metrics_api_e2e.py checks them.)
 
 Other tests share the app, so everything is compared as per-series deltas from a settled baseline taken after a
 warm-up request, never as absolute counts.
@@ -21,7 +22,7 @@ from collections import defaultdict
 import pytest
 
 from deploy.metrics import request_observations, spec
-from tests.deploy.promhelp import Prometheus, dashboard_queries, has_finite_value
+from tests.deploy.promhelp import Prometheus
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="Debian's prometheus package is not installed (make test installs it)")
@@ -42,10 +43,6 @@ FAMILIES = tuple(spec(n).exported_name for n in COUNTERS) + tuple(
 # A series is identified by all its labels (Ray adds WorkerId, NodeAddress, ...; other apps of the session have
 # the same model/role/replica labels); a delta is aggregated by these.
 KEY_LABELS = ("__name__", "role", "le", "finished_reason", "reason")
-
-# Queries over KV transfer latency have nothing to show without transfers (unified mode); every other dashboard
-# query must return data.
-TRANSFER_ONLY = "ray_m3serve_kv_transfer_seconds_bucket"
 
 Series = frozenset  # of (label, value) items
 
@@ -198,17 +195,8 @@ def _assert_no_later_than_client(server_values: list[float], client_values: list
     assert len(server) == len(client) and all(a <= b for a, b in zip(server, client)), (server, client)
 
 
-def _empty_dashboard_queries(prom: Prometheus, since: float) -> set[tuple[str, str]]:
-    """(panel, refId) of the dashboard queries without a finite value over a window reaching back to `since`
-    (a query error raises)."""
-    window = f"{int(time.time() - since) + 5}s"
-    return {(title, ref) for title, ref, expr in dashboard_queries(rate_interval=window)
-            if not has_finite_value(prom.query(expr))}
-
-
 def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_path):
     assert serve_app.metrics_port, "the session Ray instance exports no metrics port"
-    t_start = time.time()
     pop = serve_app.pop_request_stats
     with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
         before = _settled_baseline(serve_app, prom, pop, {"unified"})
@@ -231,22 +219,11 @@ def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_p
         _assert_no_later_than_client([s.ttft for s in stats], [r["ttft_s"] for r in detail])
         _assert_no_later_than_client([s.e2e_latency for s in stats], [r["e2e_s"] for r in detail])
 
-        # Every dashboard query answers, but for KV transfer latency: there are no transfers without
-        # disaggregation.
-        transfer_only = {(t, r) for t, r, e in dashboard_queries() if TRANSFER_ONLY in e}
-        assert transfer_only and _empty_dashboard_queries(prom, t_start) == transfer_only
-        # and the recording rules evaluate on these series
-        p50 = prom.wait_until(f'm3serve:ttft_seconds:p50{{model_name="{serve_app.model}",role="unified"}}',
-                              lambda v: v is not None and math.isfinite(v), timeout_s=15)
-        # interpolated inside a bucket: at most the bound of the bucket holding the slowest client TTFT
-        slowest = max(r["ttft_s"] for r in detail)
-        bound = min(b for b in spec("time_to_first_token_seconds").buckets if b >= slowest)
-        assert 0 < p50 <= bound
 
 
 def test_disaggregated_bench_counts_reach_prometheus_per_role(serve_app, tmp_path):
     """The same through the disaggregated app (one prefill, one decode replica): each role counts its own part of
-    every request, KV transfers are counted on the prefill side, and now every dashboard query returns data."""
+    every request, and KV transfers are counted on the prefill side."""
     from tests.deploy.pdapp import handle, pd_app
 
     pd = pd_app(serve_app)
@@ -256,7 +233,6 @@ def test_disaggregated_bench_counts_reach_prometheus_per_role(serve_app, tmp_pat
         return handle("Router").pop_request_stats.remote().result()
 
     prefill = handle("EngineServer-prefill-0")
-    t_start = time.time()
     with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
         before = _settled_baseline(pd, prom, pop, roles)
         transfers_before = prefill.transfer_totals.remote().result()
@@ -280,6 +256,3 @@ def test_disaggregated_bench_counts_reach_prometheus_per_role(serve_app, tmp_pat
         detail = [r for r in result["requests"] if r["success"]]
         _assert_no_later_than_client([s.ttft for s in by_role["prefill"]], [r["ttft_s"] for r in detail])
         _assert_no_later_than_client([s.e2e_latency for s in by_role["decode"]], [r["e2e_s"] for r in detail])
-
-        # with transfers, every dashboard query returns data
-        assert _empty_dashboard_queries(prom, t_start) == set()

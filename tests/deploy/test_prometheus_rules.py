@@ -12,7 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from deploy.metrics import METRICS, EngineMetrics, PrometheusClientSink
+from deploy.metrics import METRICS, EngineMetrics, spec
+from deploy.metrics_endpoint import (INGRESS_METRICS, IngressMetrics, exposition, merge_families, own_name,
+                                     replica_sinks)
 from tests.deploy.promhelp import (
     DASHBOARD, METRIC_NAME_RE, RULE_TESTS, RULES, Prometheus, dashboard_queries, has_finite_value,
 )
@@ -23,12 +25,15 @@ needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None or shutil.w
 
 
 def _exported_families() -> set[str]:
+    """Every family name the API port's /metrics can carry (any role's naming; the ingress's own)."""
     fams = set()
-    for m in METRICS:
-        if m.kind == "histogram":
-            fams |= {m.exported_name + s for s in ("_bucket", "_count", "_sum")}
-        else:
-            fams.add(m.exported_name)
+    for m in METRICS + INGRESS_METRICS:
+        for role in ("unified", "prefill", "decode"):
+            name = own_name(m, role) if m in METRICS else "m3serve_" + m.name
+            if m.kind == "histogram":
+                fams |= {name + s for s in ("_bucket", "_count", "_sum")}
+            else:
+                fams.add(name + ("_total" if m.kind == "counter" else ""))
     return fams
 
 
@@ -76,7 +81,8 @@ def test_every_dashboard_query_parses(tmp_path):
 
 def test_dashboard_and_rules_use_only_declared_metrics():
     fams = _exported_families()
-    used = set(METRIC_NAME_RE.findall(DASHBOARD.read_text())) | set(METRIC_NAME_RE.findall(RULES.read_text()))
+    exprs = " ".join(e for _, _, e in dashboard_queries())
+    used = set(METRIC_NAME_RE.findall(exprs)) | set(METRIC_NAME_RE.findall(RULES.read_text()))
     assert used, "no m3serve metric referenced"
     assert used <= fams, sorted(used - fams)
 
@@ -89,33 +95,45 @@ def test_dashboard_covers_the_required_panels():
     for fam in ("time_to_first_token_seconds", "request_time_per_output_token_seconds",
                 "inter_token_latency_seconds"):
         for q in ("0.5", "0.9", "0.99"):
-            assert f"histogram_quantile({q}, sum by (le, role) (rate(ray_m3serve_{fam}_bucket" in exprs, (fam, q)
-    for needed in ("generation_tokens_total", "prompt_tokens_total", "num_requests_running",
-                   "num_requests_waiting", "kv_cache_usage_perc", "kv_transferred_bytes_total",
-                   "kv_transfer_seconds_bucket", "request_failure_total"):
-        assert f"ray_m3serve_{needed}" in exprs, needed
+            assert f"histogram_quantile({q}, sum by (le, role) (rate(vllm:{fam}_bucket" in exprs, (fam, q)
+    for name, suffix in (("generation_tokens", "_total"), ("prompt_tokens", "_total"), ("num_requests_running", ""),
+                         ("num_requests_waiting", ""), ("kv_cache_usage_perc", ""), ("kv_transferred_bytes", "_total"),
+                         ("kv_transfer_seconds", "_bucket"), ("request_failure", "_total")):
+        assert own_name(spec(name), "unified") + suffix in exprs, name
+    assert "m3serve_ingress_time_to_first_token_seconds_bucket" in exprs
     assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
 
 
 # -- a real Prometheus scraping our exposition ------------------------------------------------------------------
 class _Feeder:
-    """Records a stream of synthetic-but-plausible engine stats for the three roles into one registry, served
-    on loopback in the text format, until stopped (rates need a counter that keeps moving)."""
+    """Records a stream of synthetic-but-plausible engine stats for the three roles, each into its replica's own
+    registry, and client timings into an ingress's; serves them merged as the API port's /metrics does, on
+    loopback in the text format, until stopped (rates need a counter that keeps moving)."""
 
     def __init__(self) -> None:
-        self.sink = PrometheusClientSink()
-        self.metrics = {role: EngineMetrics("tiny", role, 0, sink=self.sink)
-                        for role in ("unified", "prefill", "decode")}
+        exports = []
+        self.metrics = {}
+        for role in ("unified", "prefill", "decode"):
+            sink, export = replica_sinks(role, ray=False)
+            self.metrics[role] = EngineMetrics("tiny", role, 0, sink=sink)
+            exports.append(export)
+        self.ingress = IngressMetrics("tiny", "0", ray=False)
         self._stop = threading.Event()
         self._n = 0
-        sink = self.sink
+        ingress = self.ingress
+
+        def body() -> bytes:
+            families = [e.families() for e in exports] + [list(ingress.export.registry.collect())]
+            return exposition(merge_families(families), None)[0]
+
+        body_ = body
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
 
             def do_GET(self):
-                body = sink.exposition()
+                body = body_()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
@@ -146,12 +164,14 @@ class _Feeder:
             m.record_engine(EngineStats(role=role, num_running=2, num_waiting=n % 3, num_pages_total=64,
                                         num_pages_free=48, prefix_cache_queries=12 * n, prefix_cache_hits=4 * n,
                                         num_preemptions=n // 10))
+        self.ingress.record(0.07, 0.1, "finished")
         self.metrics["decode"].record_transfer(TransferStats(request_id=f"x{n}", num_bytes=1 << 20,
                                                              seconds=0.002, num_pages=4))
         if n % 5 == 0:
             self.metrics["decode"].record_request(RequestStats(request_id=f"f{n}", role="decode", prompt_tokens=3,
                                                                failure_reason="transfer"))
-            self.metrics["decode"].record_transfer(TransferStats(request_id=f"f{n}", num_bytes=0, seconds=1.0,
+            self.ingress.record(0.07, 0.1, "finished")
+        self.metrics["decode"].record_transfer(TransferStats(request_id=f"f{n}", num_bytes=0, seconds=1.0,
                                                                  num_pages=1, ok=False))
 
     def __enter__(self) -> "_Feeder":
@@ -168,9 +188,10 @@ class _Feeder:
 @needs_promtool
 def test_dashboard_queries_return_data_from_a_real_prometheus(tmp_path):
     with _Feeder() as feeder, Prometheus(tmp_path / "prom", [feeder.target]) as prom:
-        # 3+ scrapes so every rate window holds 2+ samples of moving counters
-        prom.wait_until("count(count_over_time(ray_m3serve_prompt_tokens_total[30s]) >= 4)",
-                        lambda v: v is not None and v >= 3, timeout_s=40)
+        # 3+ scrapes so every rate window holds 2+ samples of moving counters (vllm:prompt_tokens_total: unified's
+        # and prefill's; decode's prompt tokens are m3serve_prompt_tokens_total)
+        prom.wait_until("count(count_over_time(vllm:prompt_tokens_total[30s]) >= 4)",
+                        lambda v: v is not None and v >= 2, timeout_s=40)
         assert prom.wait_healthy() == ["up"]
         empty = []
         for title, ref, expr in dashboard_queries(rate_interval="30s"):
@@ -179,10 +200,10 @@ def test_dashboard_queries_return_data_from_a_real_prometheus(tmp_path):
                 empty.append((title, ref, expr, result))
         assert not empty, empty
         # what the feeder recorded shows up with its labels
-        roles = {r["metric"]["role"] for r in prom.query("ray_m3serve_num_requests_running")}
+        roles = {r["metric"]["role"] for r in prom.query("vllm:num_requests_running")}
         assert roles == {"unified", "prefill", "decode"}
         # and the recording rules evaluate (latency and throughput)
-        prom.wait_until('m3serve:ttft_seconds:p99{role="decode"}', lambda v: v is not None and math.isfinite(v))
+        prom.wait_until('m3serve:ttft_seconds:p99{role="prefill"}', lambda v: v is not None and math.isfinite(v))
         p50 = prom.scalar('m3serve:ttft_seconds:p50{role="unified"}')
         assert 0.04 <= p50 <= 0.06  # every TTFT is 0.05 s: inside the (0.04, 0.06] bucket
         assert prom.scalar('m3serve:output_tokens:rate1m{model_name="tiny"}') > 0
