@@ -263,6 +263,9 @@ def engine_deployments(config: Any) -> list[str]:
             for role, group in config.groups().items() for i in range(group.replicas)]
 
 
+_HANDLES: dict[tuple[str, str], Any] = {}
+
+
 async def gather(config: Any, local: list, timeout_s: float = 5.0) -> list:
     """`local` families (this ingress's) merged with every engine replica's, asked through Serve handles of this
     app. A replica that does not answer within `timeout_s` is left out of this scrape (logged); its series come
@@ -275,7 +278,11 @@ async def gather(config: Any, local: list, timeout_s: float = 5.0) -> list:
 
     async def one(name: str) -> list:
         try:
-            handle = serve.get_deployment_handle(name, app_name=app_name)
+            # one handle per engine for the process's life: a new handle per scrape would start a new
+            # request router (and its long-poll) every scrape
+            handle = _HANDLES.get((app_name, name))
+            if handle is None:
+                handle = _HANDLES[(app_name, name)] = serve.get_deployment_handle(name, app_name=app_name)
             return await asyncio.wait_for(handle.metrics_families.remote(), timeout_s)
         except Exception as e:
             logger.warning("metrics of %s left out: %r", name, e)

@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="Debian's prometheus package is not installed (make test installs it)")
 
 N, PROMPT, MAX_TOKENS = 6, [11, 12, 13, 14, 15, 16, 17, 18], 8
-ABORTS, ABORT_TOKENS = 2, 2000  # long enough to still run when the client hangs up after the first event
+ABORTS = 2  # each asks for the whole context, so it still runs when the client hangs up after the first event
 
 
 class _Server:
@@ -83,12 +85,19 @@ class _Server:
         return usage["completion_tokens"]
 
     def abort_after_first_event(self, body: dict) -> None:
-        """A streamed completion whose client hangs up after its first event (the server must abort it)."""
-        req = urllib.request.Request(self.base + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
-                                     {"Content-Type": "application/json"})
-        r = urllib.request.urlopen(req, timeout=120)
-        assert r.readline().startswith(b"data: ")
-        r.close()  # closes the socket: the ingress sees the disconnect
+        """A streamed completion whose client hangs up after its first event (the server must abort it): a raw
+        socket, reset on close (SO_LINGER 0), so the server sees the disconnect at once."""
+        data = json.dumps({**body, "stream": True}).encode()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=120) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(data) + data)
+            got = b""
+            while b"data: " not in got:
+                chunk = sock.recv(4096)
+                assert chunk, got
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200"), got[:200]
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 def _metric(prom: Prometheus, expr: str) -> float:
@@ -96,7 +105,7 @@ def _metric(prom: Prometheus, expr: str) -> float:
 
 
 OUTCOMES = ("vllm:request_success_total|m3serve_request_abort_total|m3serve_request_failure_total|"
-            "m3serve_ingress_requests_total")
+            "m3serve_ingress_requests_total|vllm:num_requests_running|vllm:num_requests_waiting")
 
 
 def _wait_value(prom: Prometheus, expr: str, want: float, timeout_s: float = 30.0) -> None:
@@ -135,9 +144,10 @@ def _check_counts(server: _Server, prom: Prometheus, model: str) -> None:
             >= _metric(prom, f"vllm:time_to_first_token_seconds_sum{sel}") > 0)
 
 
-def _check_aborts(server: _Server, prom: Prometheus, model: str) -> None:
+def _check_aborts(server: _Server, prom: Prometheus, model: str, max_model_len: int) -> None:
     """Clients that hang up: counted as aborted at the ingress and at the engine, never as successes."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": ABORT_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_model_len - len(PROMPT), "temperature": 0,
+            "ignore_eos": True}
     for _ in range(ABORTS):
         server.abort_after_first_event(body)
     sel = f'{{model_name="{model}"}}'
@@ -173,13 +183,14 @@ def test_api_port_metrics_scraped_by_prometheus(tmp_path, args, transfers):
         server.wait_ready()
         log = server.log_path.read_text()
         assert f"{server.base}/metrics" in log and f":{server.metrics_port}/metrics" in log  # where to scrape
-        model = json.loads(urllib.request.urlopen(server.base + "/v1/models", timeout=30).read())["data"][0]["id"]
+        card = json.loads(urllib.request.urlopen(server.base + "/v1/models", timeout=30).read())["data"][0]
+        model = card["id"]
         with Prometheus(tmp_path / "prom", [f"127.0.0.1:{server.port}"]) as prom:
             t0 = time.time()
             assert prom.wait_healthy() == ["up"]
             _check_counts(server, prom, model)
             if not transfers:
-                _check_aborts(server, prom, model)
+                _check_aborts(server, prom, model, card["max_model_len"])
             else:  # one KV transfer per request, counted on the prefill side
                 _wait_value(prom, f'm3serve_kv_transfer_seconds_count{{model_name="{model}",role="prefill"}}', N)
             _check_queries(prom, t0, transfers)
