@@ -96,7 +96,7 @@ def test_the_three_ci_value_sets_exist():
 def test_every_ci_value_set_renders_the_expected_objects(ci):
     values = ci_values(ci)
     kinds = set(objects(values))
-    want = {"RayService", "PodMonitor", "PrometheusRule", "ConfigMap"}
+    want = {"RayService", "PodMonitor", "ScrapeConfig", "PrometheusRule", "ConfigMap"}
     if values.get("apiKey", {}).get("value"):
         want.add("Secret")
     assert kinds == want
@@ -185,6 +185,17 @@ def test_podmonitor_scrapes_ray_metrics_on_every_pod(ci):
 
 
 # ------------------------------------------------------------------------------------ serve config round trip
+@pytest.mark.parametrize("ci", CI_SETS)
+def test_api_metrics_are_scraped_once_through_the_serve_service(ci):
+    """The API port's /metrics holds every replica's series: one target, the serve Service, not each pod."""
+    values = ci_values(ci)
+    objs = objects(values)
+    sc, svc = objs["ScrapeConfig"]["spec"], objs["RayService"]["spec"]["serveService"]
+    port = svc["spec"]["ports"][0]["port"]
+    assert sc["metricsPath"] == "/metrics"
+    assert sc["staticConfigs"] == [{"targets": [f"{svc['metadata']['name']}.{NAMESPACE}.svc:{port}"]}]
+
+
 @pytest.mark.parametrize("ci", CI_SETS)
 def test_serve_config_v2_is_a_valid_ray_serve_config(ci):
     from ray.serve.schema import ServeDeploySchema
