@@ -805,7 +805,7 @@ class Ingress:
         max_tokens = body.max_tokens
         for item in raw:
             if isinstance(item, str):
-                ids = self._tokenizer.encode(item, add_special_tokens=True)
+                ids = self._encode(item, "prompt", add_special_tokens=True)
                 texts.append(item)
             else:
                 ids = list(item)
@@ -822,6 +822,16 @@ class Ingress:
                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
                          return_token_ids=body.return_token_ids, echo=body.echo, top_n=body.logprobs)
 
+    def _encode(self, text: str, field_name: str, *, add_special_tokens: bool) -> list[int]:
+        # JSON may carry a lone surrogate ("\ud800"): valid JSON, not encodable text (the tokenizer raised a
+        # TypeError -> 500); checked here first so the answer names the field
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{field_name}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff escapes "
+                                f"must come in pairs)", param=field_name, code="invalid_value") from None
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def _prepare_chat(self, body: ChatCompletionRequest, model: str) -> _Prepared:
         self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
@@ -832,7 +842,7 @@ class Ingress:
                            code="invalid_value")
         rendered = chat.render_chat(self._tokenizer, body, self._config.chat_template_kwargs)  # 400s: handler above
         text = rendered.text
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode(text, "messages", add_special_tokens=False)
         max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages", max_name)

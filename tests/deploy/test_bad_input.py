@@ -40,3 +40,14 @@ def test_hostile_sampling_field_is_a_400_naming_it(serve_app, path, field, value
                    headers={**serve_app.headers, "content-type": "application/json"})
     assert_openai_error(r, 400, param=field)
     still_serves(serve_app)
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_lone_surrogate_text_is_a_400_naming_the_field(serve_app, path, field):
+    """"\\ud800" is valid JSON but no encodable text: the tokenizer raised and the server answered 500."""
+    body = (_completion(serve_app, prompt="hi \ud800 there") if field == "prompt"
+            else _chat(serve_app, messages=[{"role": "user", "content": "hi \ud800"}]))
+    r = httpx.post(f"{serve_app.base_url}{path}", content=json.dumps(body), timeout=60,
+                   headers={**serve_app.headers, "content-type": "application/json"})
+    assert_openai_error(r, 400, param=field)
+    still_serves(serve_app)
