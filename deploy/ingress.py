@@ -632,17 +632,21 @@ class Ingress:
             raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
-    async def _readiness(self) -> dict:
+    async def _readiness(self, *, fresh: bool = False) -> dict:
+        """The engines' state. Requests read a cached success (one router call per request would be waste);
+        `fresh` (/health) asks the engines now, and a not-ready answer clears the cache, so the probe and the
+        requests after it see an engine that died or restarts (the first success used to be cached for good)."""
         if self._tokenizer_error is not None:
             return {"ready": False, "error": f"tokenizer failed to load: {self._tokenizer_error}", "engines": []}
-        if self._ready:
+        if self._ready and not fresh:
             return {"ready": True, "engines": []}
         try:
             state = await self._router.ready.remote()
         except Exception as e:
+            self._ready = False
             return {"ready": False, "error": f"router unreachable ({type(e).__name__})", "engines": []}
+        self._ready = bool(state["ready"])
         if state["ready"]:
-            self._ready = True
             lens = [e.get("max_model_len") for e in state["engines"] if e.get("max_model_len")]
             if lens:
                 self._max_model_len = min(lens)
@@ -698,7 +702,7 @@ class Ingress:
 
     @app.get("/health")
     async def health(self) -> JSONResponse:
-        state = await self._readiness()
+        state = await self._readiness(fresh=True)
         if state["ready"]:
             return JSONResponse({"status": "ok", "model": self._model_name})
         return ApiError(503, _not_ready_message(state), code="not_ready", retry_after=NOT_READY_RETRY_S).response()

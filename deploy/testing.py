@@ -33,6 +33,12 @@ class DrillEngineServer(EngineServer.func_or_class):
         super().__init__(*args, **kwargs)
         self._held_prefills: dict[str, str] = {}
 
+    async def pid(self) -> int:
+        """This replica's process id (a test kills it as `kill -9` would)."""
+        import os
+
+        return os.getpid()
+
     async def inject_transfer_faults(self, faults: dict[str, str]) -> None:
         """Break the KV transfers of these ids (FaultyChannel kinds); {} clears."""
         from workers.testing import set_transfer_faults
