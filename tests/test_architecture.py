@@ -106,3 +106,13 @@ def test_forbidden_import_fails_and_names_the_contract(tmp_path, case, extra, co
     res = lint(make_tree(tmp_path, extra))
     assert res.returncode != 0, f"{case}: lint-imports passed\n{res.stdout}"
     assert contract in broken_contracts(res.stdout), f"{case}: expected {contract!r} broken\n{res.stdout}"
+
+
+def test_in_process_engine_needs_no_ray():
+    """The GPU machine runs the in-process engine (benchmarks, GPU tests) without ray installed: importing the
+    engine, LLM and runner must not import it (a module-level `import ray` behind workers/engine.py broke every GPU
+    benchmark once). `sys.modules["ray"] = None` makes any `import ray` raise."""
+    code = ("import sys; sys.modules['ray'] = None\n"
+            "import workers.engine, workers.llm, workers.runner, workers.core\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

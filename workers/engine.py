@@ -24,14 +24,13 @@ from pathlib import Path
 
 from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig, Role
-from workers.dp import DPEngine
 from workers.engine_api import EngineAPI, role_engine_config
 from workers.executor import ExecutorKind, make_executor
 from workers.kv.config import TransferConfig
 from workers.kv.connector import KVTransferFailed
 from workers.runner import StepResult
 
-__all__ = ["DPEngine", "Engine", "KVTransferFailed", "make_engine", "role_engine_config"]
+__all__ = ["Engine", "KVTransferFailed", "make_engine", "role_engine_config"]
 
 
 class Engine(EngineAPI):
@@ -119,6 +118,12 @@ def make_engine(model_dir: str | Path, *, engine_config: EngineConfig = EngineCo
                 executor: ExecutorKind = "auto", transfer: TransferConfig | None = None) -> EngineAPI:
     """The engine for a parallel layout: with attention data parallelism (dp > 1) a `DPEngine` (one core per dp
     rank over one worker group), else an `Engine`. Both have the `EngineAPI`."""
-    cls = DPEngine if parallel.dp > 1 else Engine
+    if parallel.dp > 1:
+        # imported here: a DPEngine drives a Ray worker group, and an in-process engine must not need ray
+        from workers.dp import DPEngine
+
+        cls = DPEngine
+    else:
+        cls = Engine
     return cls(model_dir, engine_config=engine_config, parallel=parallel, device=device, role=role,
                executor=executor, transfer=transfer)
