@@ -5,7 +5,7 @@ it as `args` of `deploy.app:build_app`, and the Helm chart renders it into `serv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,10 +24,16 @@ class GroupConfig:
     ep: int = 1
     dp: int = 1
     num_cpus_per_shard: float = 0.5  # Ray CPU resource per ShardWorker (CPU device); GPUs take 1 GPU each
+    # this role's prompt tokens per step (chunk size), over `engine.max_num_batched_tokens`; None: the engine's.
+    # A prefill-only group gains from larger chunks (fewer steps, taller GEMM tiles) and has no decode rows whose
+    # latency a long step would hold up (docs/operations.md, "Chunk size").
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1 (or null), got {self.max_num_batched_tokens}")
         if self.num_cpus_per_shard < 0:
             raise ValueError("num_cpus_per_shard: must be >= 0")
         self.parallel  # validates tp/ep/dp
@@ -96,6 +102,13 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.max_request_bytes is not None and self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes: must be >= 1024 (or null), got {self.max_request_bytes}")
+
+    def engine_for(self, role: Role) -> EngineConfig:
+        """The engine settings of `role`'s replicas: `engine` with the group's own overrides applied."""
+        group = self.groups()[role]
+        if group.max_num_batched_tokens is None:
+            return self.engine
+        return replace(self.engine, max_num_batched_tokens=group.max_num_batched_tokens)
 
     def groups(self) -> dict[Role, GroupConfig]:
         """The engine groups this config runs, by role."""

@@ -257,7 +257,8 @@ class EngineServer:
                         if group.parallel.world_size > 1 else "auto")
 
             def build_engine():
-                return make_engine(str(model_dir), engine_config=self._config.engine, parallel=group.parallel,
+                return make_engine(str(model_dir), engine_config=self._config.engine_for(self._role),
+                                   parallel=group.parallel,
                                    device=self._config.device, role=self._role, transfer=transfer,
                                    executor=executor)
 

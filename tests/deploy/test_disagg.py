@@ -151,6 +151,12 @@ def test_serve_cli_disaggregate_flags():
 
     gpu = config_from_args({"config_file": "configs/serve/gpu-2-pd.yaml"})
     assert gpu.transfer.nccl == "direct" and engine_transfer_config(gpu).nccl == "direct"
+    # per-role chunk size: the GPU preset's prefill group steps 16k tokens, its decode group the engine's 8k
+    assert (gpu.engine_for("prefill").max_num_batched_tokens, gpu.engine_for("decode").max_num_batched_tokens,
+            gpu.engine.max_num_batched_tokens) == (16384, 8192, 8192)
+    assert gpu.engine_for("prefill").max_model_len == gpu.engine.max_model_len
+    with pytest.raises(ConfigError, match="prefill: max_num_batched_tokens: must be >= 1"):
+        config_from_args({"overrides": {"prefill": {"max_num_batched_tokens": 0}}})
     torch_pg = config_from_args({"overrides": {"transfer": {"nccl": "torch"}}})
     assert engine_transfer_config(torch_pg).nccl == "torch"
     with pytest.raises(ConfigError, match="transfer.nccl: must be one of"):
