@@ -14,8 +14,15 @@ Reported per B and mode, over the pure-decode steps with B rows:
   forward_ms  median forward part of it (inputs to the device, forward + LM head, synchronised)
   replay_ms   graphs only: the bucket's graph replayed alone, CUDA events (the device time of the step)
 and the greedy tokens' agreement between the modes (bf16: a near-tie may flip a token; then that request's
-continuation differs). Beside them: this model's bytes floor (benchmarks/kernels/bench_moe.py's count at the
-mean context) and, with --num-experts 128 only, PERF.md's target.
+continuation differs). Beside them, two bytes floors at PERF.md's 4.3 TB/s:
+  floor_ms        "routed": what each step actually reads. A third, untimed eager pass of the same requests
+                  counts on the device, per MoE layer and per decode step, the distinct experts the step's routing
+                  touched (a forward hook on every Router; no host sync until the pass ends); the floor is every
+                  non-expert weight + the touched experts' weights + the KV the kernels read at that step's
+                  context, averaged over the steps. Random weights route unevenly, so this is the honest one.
+  uniform_floor_ms  the expected touched experts at uniform routing (benchmarks/kernels/bench_moe.py), as before.
+and, with --num-experts 128 only, PERF.md's target. `--profile B`: a torch-profiler table of one eager B-row decode
+step's kernels (device time by kernel name) and the graph replay's, written to profile_B<b>.txt under --out.
 
   PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_decode.py                  # one H200, ~2-3 min
   PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_decode.py --tiny --device cpu --batches 1,2
@@ -55,9 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory: written if it holds none, else reused")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default="", help="batch sizes to profile (eager step and graph replay kernels)")
     p.add_argument("--out", default=os.environ.get("OUT"), help=f"directory for {RESULT_NAME}")
     a = p.parse_args(argv)
     a.batches = [int(b) for b in a.batches.split(",")]
+    a.profile = [int(b) for b in a.profile.split(",") if b]
     a.prompt_len = a.prompt_len or (40 if a.tiny else 1024)
     a.decode_tokens = a.decode_tokens or (6 if a.tiny else 48)
     return a
@@ -144,13 +153,86 @@ def replay_ms(graphs, b: int, replays: int) -> float | None:
     return statistics.median(times)
 
 
+def _bench_moe():
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
+    import bench_moe
+
+    return bench_moe
+
+
 def floor_ms(runner, b: int, context: int) -> float:
     """Bytes floor of this model's decode step at b requests of `context` tokens (benchmarks/kernels/bench_moe.py:
     weights read once, experts touched at uniform routing, bf16 KV) at PERF.md's 4.3 TB/s."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels"))
-    from bench_moe import HBM, model_floor_bytes
+    m = _bench_moe()
+    return m.model_floor_bytes(runner.model, runner.config, b, context) / m.HBM * 1e3
 
-    return model_floor_bytes(runner.model, runner.config, b, context) / HBM * 1e3
+
+class RoutingCounter:
+    """Counts, on the device, the distinct experts each Router call picked: a forward hook per Router module
+    appends (rows, layer, a device scalar). Nothing is read back until `per_step`, so it adds no sync."""
+
+    def __init__(self, model) -> None:
+        from msa.moe import Router
+
+        self.calls: list[tuple[int, int, torch.Tensor]] = []
+        self._hooks = [mod.register_forward_hook(self._hook(i))
+                       for i, mod in enumerate(m for m in model.modules() if isinstance(m, Router))]
+        self.num_layers = len(self._hooks)
+
+    def _hook(self, layer: int):
+        def record(module, inputs, out):
+            ids = out[0]
+            hit = torch.zeros(module.weight.shape[0], dtype=torch.int32, device=ids.device)
+            hit.index_fill_(0, ids.reshape(-1), 1)
+            self.calls.append((ids.shape[0], layer, hit.sum()))
+        return record
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def per_step(self, rows: int) -> list[list[int]]:
+        """Touched experts per MoE layer for every step of `rows` rows, in step order."""
+        picked = [(layer, n) for r, layer, n in self.calls if r == rows]
+        counts = torch.stack([n for _, n in picked]).tolist() if picked else []
+        steps: list[list[int]] = []
+        for (layer, _), c in zip(picked, counts):
+            if layer == 0:
+                steps.append([])
+            steps[-1].append(c)
+        return [s for s in steps if len(s) == self.num_layers]
+
+
+def routed_floor_ms(runner, b: int, context: int, touched_per_step: list[list[int]]) -> float | None:
+    """The bytes floor of what the steps read: bench_moe's count with uniform routing's expected experts swapped
+    for the ones each step touched (mean over steps)."""
+    if not touched_per_step:
+        return None
+    m, cfg = _bench_moe(), runner.config
+    expert_bytes = 3 * cfg.intermediate_size * cfg.hidden_size * 2
+    e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    uniform_experts = len(cfg.moe_layers) * e * (1 - (1 - k / e) ** b)
+    base = m.model_floor_bytes(runner.model, cfg, b, context) - uniform_experts * expert_bytes
+    mean_touched = statistics.mean(sum(s) for s in touched_per_step)
+    return (base + mean_touched * expert_bytes) / m.HBM * 1e3
+
+
+def count_routing(llm, prompts, args, b: int) -> dict:
+    """An untimed eager pass of the same requests with a RoutingCounter on: touched experts per decode step."""
+    from workers.request import SamplingParams
+
+    runner = llm.engine.executor.runner
+    graphs, runner.graphs = runner.graphs, None
+    counter = RoutingCounter(runner.model)
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True))
+        steps = counter.per_step(b)
+    finally:
+        counter.remove()
+        runner.graphs = graphs
+    flat = [n for s in steps for n in s]
+    return {"steps": len(steps), "mean_touched_per_layer": statistics.mean(flat) if flat else None,
+            "max_touched_per_layer": max(flat) if flat else None, "touched_per_step": steps}
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -165,8 +247,12 @@ def bench_batch(llm, args, b: int, vocab: int) -> dict:
     runner = llm.engine.executor.runner
     graphs = runner.graphs
     perf = not args.tiny and args.num_experts == 128  # PERF.md's numbers are for the full expert count
+    context = args.prompt_len + args.decode_tokens // 2
+    routing = count_routing(llm, prompts, args, b)
     row = {"B": b, "bucket": graphs.bucket(b) if graphs is not None else None,
-           "floor_ms": None if args.tiny else floor_ms(runner, b, args.prompt_len + args.decode_tokens // 2),
+           "floor_ms": routed_floor_ms(runner, b, context, routing["touched_per_step"]),
+           "uniform_floor_ms": floor_ms(runner, b, context),
+           "routing": {k: v for k, v in routing.items() if k != "touched_per_step"},
            "perf_target_ms": PERF_TARGET_MS.get(b) if perf else None}
     tokens = {}
     if graphs is not None:
@@ -184,10 +270,62 @@ def bench_batch(llm, args, b: int, vocab: int) -> dict:
     return row
 
 
+def profile_decode(llm, prompts, args, b: int, steps: int = 4) -> str:
+    """Kernel table (device time by kernel, torch profiler) of `steps` eager decode steps of b rows, then of as
+    many replays of b's graph. The requests are added and prefilled first, outside the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workers.request import SamplingParams
+
+    eng, runner = llm.engine, llm.engine.executor.runner
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"profile-{b}-{i}", p["prompt_token_ids"], params)
+    graphs, runner.graphs = runner.graphs, None
+    parts = []
+    try:
+        eng.pop_step_stats()
+        while not _decoding(eng):
+            pass
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        parts.append(f"== eager decode, B={b}, {steps} steps\n" + prof.key_averages().table(
+            sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+    finally:
+        runner.graphs = graphs
+        while eng.has_unfinished():
+            eng.step()
+    if graphs is not None:
+        bucket = graphs.bucket(b)
+        graphs.replay(bucket)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                graphs.replay(bucket)
+            torch.cuda.synchronize()
+        parts.append(f"== graph replay, bucket {bucket}, {steps} replays\n" + prof.key_averages().table(
+            sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70))
+    return "\n".join(parts)
+
+
+def _decoding(eng) -> bool:
+    """Steps the engine once; True if that was a pure decode step (every prompt done)."""
+    eng.step()
+    stats = eng.pop_step_stats()
+    return bool(stats) and stats[-1].num_prefill_tokens == 0
+
+
 # ---- report -----------------------------------------------------------------------------------------------------
 
 def _f(x, fmt="{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
 def format_table(doc: dict) -> str:
@@ -195,13 +333,14 @@ def format_table(doc: dict) -> str:
             f"prompt {doc['prompt_len']}, {doc['decode_tokens']} tokens, {doc['device_name']}; "
             f"graphs {doc['graph_sizes']} captured in {_f(doc['capture_s'])} s")
     cols = ("B", "eager step ms", "graph step ms", "speedup", "eager fwd ms", "graph fwd ms", "replay ms",
-            "floor/target ms", "same reqs")
+            "routed floor", "replay/floor", "uniform floor", "experts/layer", "target", "same reqs")
     lines = [head, " | ".join(cols)]
     for r in doc["rows"]:
         e, g, agree = r.get("eager", {}), r.get("graphs", {}), r.get("agreement")
         cells = (str(r["B"]), _f(e.get("step_ms")), _f(g.get("step_ms")), _f(r.get("step_speedup"), "{:.2f}x"),
                  _f(e.get("forward_ms")), _f(g.get("forward_ms")), _f(g.get("replay_ms")),
-                 f"{_f(r['floor_ms'])}/{_f(r['perf_target_ms'])}",
+                 _f(r["floor_ms"]), _ratio(g.get("replay_ms"), r["floor_ms"]), _f(r["uniform_floor_ms"]),
+                 _f(r["routing"]["mean_touched_per_layer"], "{:.1f}"), _f(r["perf_target_ms"]),
                  f"{agree['identical_requests']}/{agree['requests']}" if agree else "-")
         lines.append(" | ".join(c.rjust(len(h)) for c, h in zip(cells, cols)))
     return "\n".join(lines)
@@ -238,6 +377,14 @@ def main(argv=None) -> int:
         _say(json.dumps(row))
         doc["rows"].append(row)
         save(doc, args.out)
+        if b in args.profile and args.device == "cuda":
+            rng = random.Random(args.seed + b)
+            prompts = [{"prompt_token_ids": [rng.randrange(3, runner.config.vocab_size)
+                                             for _ in range(args.prompt_len)]} for _ in range(b)]
+            table = profile_decode(llm, prompts, args, b)
+            if args.out:
+                (Path(args.out) / f"profile_B{b}.txt").write_text(table + "\n")
+            _say(f"profile of B={b} written")
     llm.engine.shutdown()
     print(format_table(doc), flush=True)
     return 0

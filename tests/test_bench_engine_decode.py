@@ -23,6 +23,17 @@ def test_tiny_cpu_run_writes_json_and_prints_the_table_last(tmp_path):
         eager = r["eager"]
         assert "graphs" not in r and eager["graph_steps"] == 0
         assert eager["decode_steps"] == 3 and eager["step_ms"] >= eager["forward_ms"] > 0  # 4 tokens: 3 decode steps
+    # the routed floor counts the experts each decode step touched: one row picks exactly top-k distinct
+    # experts per layer, two rows between k and 2k; the floor moves with them
+    from workers.models import preset_config
+
+    cfg = preset_config("tiny")
+    k = cfg.num_experts_per_tok
+    one, two = (r["routing"] for r in doc["rows"])
+    assert one["steps"] == two["steps"] == 3
+    assert one["mean_touched_per_layer"] == one["max_touched_per_layer"] == k
+    assert k <= two["mean_touched_per_layer"] <= min(2 * k, cfg.num_local_experts)
+    assert 0 < doc["rows"][0]["floor_ms"] < doc["rows"][1]["floor_ms"]
     table = proc.stdout.strip().splitlines()
     assert table[-4].startswith("engine decode, tiny") and table[-3].startswith("B | eager step ms")
     assert [line.split("|")[0].strip() for line in table[-2:]] == ["1", "2"]
