@@ -4,8 +4,8 @@ Everything that needs text happens here: auth, body validation, the chat templat
 deltas into OpenAI responses or SSE chunks, logprob formatting. Below this deployment there are only token ids.
 Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
 
-Streams: the router decides where a request runs and answers a `Redirect`; the tokens then come straight from that
-engine replica, through one subscription per engine replica shared by all this replica's requests (`_Engines`),
+Streams (deploy/stream.py): the router decides where a request runs and answers a `Redirect`; the tokens then come
+straight from that engine replica, through one subscription per engine replica shared by all this replica's requests,
 and leave as SSE events written without pydantic (`ChunkEncoder`), several tokens per event when we fell behind.
 """
 # No `from __future__ import annotations`: Serve's class-based FastAPI views need real annotation objects
@@ -14,7 +14,6 @@ import asyncio
 import hmac
 import logging
 import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -28,47 +27,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deploy import chat, extras, guard, metrics_endpoint, openapi
 from deploy.config import ServeConfig
-from deploy.metrics_endpoint import ArrivalStamp, RequestTiming
+from deploy.errors import NOT_READY_RETRY_S, ApiError
+from deploy.metrics_endpoint import ArrivalStamp
 from deploy.protocol import (
-    ERROR_TYPES, SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
+    SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
     ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    EngineChunk, EngineError, EngineRequest, ErrorBody, ErrorResponse, ModelCard, ModelList, Redirect,
-    TokenizeChatRequest, TokenizeCompletionRequest, TopLogprob, UsageInfo, chat_chunk_choice, completion_choice,
-    new_id, param_of, sse_event, unknown_fields,
+    EngineChunk, EngineError, EngineRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+    TopLogprob, UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, unknown_fields,
 )
-from deploy.streaming import EventQueue
+from deploy.stream import EngineStreams, SSEResponse, Stream, guarded, merge
 from workers.request import SamplingParams
 
 logger = logging.getLogger("m3serve.ingress")
 
 API_KEY_ENV = "M3SERVE_API_KEY"
-RELEASE_FLUSH_S = 0.05  # ended direct streams wait this long for a router call to ride on (see _Engines.release)
-NOT_READY_RETRY_S = 5
-
-
-class ApiError(Exception):
-    """An error answered to the client as OpenAI error JSON."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    @classmethod
-    def from_engine(cls, err: EngineError) -> "ApiError":
-        return cls(err.status, err.message, param=err.param, code=err.code, retry_after=err.retry_after)
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorBody(message=self.message, type=ERROR_TYPES.get(self.status, "error"),
-                                             param=self.param, code=self.code))
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after)))
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse(self.body().model_dump(mode="json"), status_code=self.status, headers=headers)
 
 
 app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3 on Ray Serve")
@@ -255,236 +227,6 @@ def _not_ready_message(state: dict) -> str:
     return f"not ready: {len(loading)} engine replica(s) still loading"
 
 
-class _Subscription:
-    """This ingress replica's one stream from one engine replica (`EngineServer.subscribe`): every step's events of
-    all the requests it started there arrive as one item, and are handed to each request's `EventQueue`. When it
-    breaks (the replica died or restarted) every request on it fails and it is `broken`: the next request opens
-    a new one (`_Engines`)."""
-
-    def __init__(self, handle: DeploymentHandle, subscriber: str) -> None:
-        self._handle = handle
-        self._subscriber = subscriber
-        self._queues: dict[str, EventQueue] = {}
-        self.broken = False
-        self._gen = handle.options(stream=True).subscribe.remote(subscriber)
-        self._open = asyncio.get_running_loop().create_future()  # done once the replica took the subscription
-        self._task = asyncio.ensure_future(self._run())
-
-    async def start(self, r: Redirect, queue: EventQueue) -> EngineChunk | EngineError | None:
-        """Start the redirected request on the replica; its events go to `queue` (registered first: they may come
-        through the subscription before the call's answer). None: started (every event comes through `queue`);
-        else the replica's refusal, or its first event (a replica that answers it: nothing more of that one
-        goes to `queue` when it ends the request)."""
-        await asyncio.shield(self._open)
-        self._queues[r.request_id] = queue
-        try:
-            first = await self._handle.start.remote(self._subscriber, r.method, r.args)
-        except BaseException:
-            self._queues.pop(r.request_id, None)
-            raise
-        if first is not None and (isinstance(first, EngineError) or first.finished):
-            self._queues.pop(r.request_id, None)
-            if isinstance(first, EngineError) and first.code == "engine_unavailable":
-                self.close()  # the replica lost this subscription: the next request opens a new one
-        return first
-
-    def forget(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-
-    async def _run(self) -> None:
-        error: BaseException = RuntimeError("the engine replica ended the subscription")
-        try:
-            async for batch in self._gen:
-                if not self._open.done():
-                    self._open.set_result(None)
-                for rid, event in batch:
-                    queue = self._queues.get(rid)
-                    if queue is not None:
-                        queue.put(event)
-                        if isinstance(event, EngineError) or event.finished:
-                            del self._queues[rid]
-        except BaseException as e:  # noqa: BLE001 - handed to every request on it
-            error = e
-        self.broken = True
-        if not self._open.done():
-            self._open.set_exception(error)
-            self._open.exception()  # retrieved: the waiting requests get it through their shield
-        queues, self._queues = list(self._queues.values()), {}
-        for queue in queues:
-            queue.fail(error)
-
-    def close(self) -> None:
-        self.broken = True
-        self._gen.cancel()
-
-
-class _Engines:
-    """The engine replicas a `Redirect` names (one handle and one subscription per deployment, made on first use),
-    and the calls a direct stream owes when it ends: the router's `release`, an abort on the replica if it was
-    cut short. Those run in the background: the client's response does not wait for them."""
-
-    def __init__(self, router: DeploymentHandle) -> None:
-        self._router = router
-        self._handles: dict[tuple[str, str], DeploymentHandle] = {}
-        self._subscriptions: dict[tuple[str, str], _Subscription] = {}
-        self._subscriber = f"ingress-{uuid.uuid4().hex[:12]}"
-        self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
-        self._released: list[str] = []  # ended direct streams the router has not been told of yet
-        self._flush: asyncio.TimerHandle | None = None
-
-    async def stream(self, r: Redirect, owner: "_Stream") -> AsyncIterator[EngineChunk | EngineError]:
-        """The redirected request's events, through the subscription (`start` starts it)."""
-        sub = self._subscription(r)
-        queue = EventQueue()
-        owner.started = r
-        try:
-            first = await sub.start(r, queue)
-            if first is not None:
-                yield first
-                if isinstance(first, EngineError) or first.finished:
-                    return
-            async for event in queue:
-                yield event
-        finally:
-            sub.forget(r.request_id)
-
-    def _subscription(self, r: Redirect) -> _Subscription:
-        key = (r.app_name, r.deployment)
-        sub = self._subscriptions.get(key)
-        if sub is None or sub.broken:
-            sub = self._subscriptions[key] = _Subscription(self._handle(r), self._subscriber)
-        return sub
-
-    def close(self) -> None:
-        """This ingress replica is going away: end its subscriptions (the engines abort what ran on them)."""
-        for sub in self._subscriptions.values():
-            sub.close()
-
-    def release(self, release_id: str) -> None:
-        """Tell the router a direct stream ended: with the next request's router call (`take_released`), or on
-        its own after `RELEASE_FLUSH_S` if none comes (a call per request saved, its count stays right)."""
-        self._released.append(release_id)
-        if self._flush is None:
-            self._flush = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._flush_released)
-
-    def take_released(self) -> list[str]:
-        ids, self._released = self._released, []
-        return ids
-
-    def _flush_released(self) -> None:
-        self._flush = None
-        ids = self.take_released()
-        if ids:
-            self._background(self._router.release.remote(ids), "release")
-
-    def abort(self, r: Redirect) -> None:
-        self._background(self._handle(r).abort.remote(r.request_id), "abort")
-
-    def _handle(self, r: Redirect) -> DeploymentHandle:
-        key = (r.app_name, r.deployment)
-        handle = self._handles.get(key)
-        if handle is None:
-            handle = self._handles[key] = serve.get_deployment_handle(r.deployment, app_name=r.app_name)
-        return handle
-
-    def _background(self, response: Any, what: str) -> None:
-        async def wait() -> None:
-            try:
-                await response
-            except Exception as e:  # the replica is gone: nothing left to release or abort there
-                logger.warning("%s after a direct stream failed: %r", what, e)
-
-        task = asyncio.ensure_future(wait())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
-
-
-class _Stream:
-    """One engine request's event stream, with its first event already received: from the router, and after a
-    `Redirect` straight from the engine replica it names (`engines`). `router`: the router's answer, a stream
-    (`generate`) or a single `Redirect` / `EngineError` (`route`)."""
-
-    def __init__(self, router: Any, request_id: str, engines: _Engines | None = None) -> None:
-        self.gen = router
-        self.request_id = request_id
-        self.engines = engines
-        self.redirect: Redirect | None = None
-        self.started: Redirect | None = None  # set once the redirected request was started on its replica
-        self.first: EngineChunk | EngineError | BaseException | None = None
-        self.timing = RequestTiming()  # client-visible TTFT / e2e (deploy/metrics_endpoint.py)
-        self.done = False
-        self._released = False
-        self._events = self._follow()
-
-    async def _router_events(self) -> AsyncIterator[EngineChunk | EngineError | Redirect]:
-        if hasattr(self.gen, "__aiter__"):
-            async for event in self.gen:
-                yield event
-        else:
-            yield await self.gen
-
-    async def _follow(self) -> AsyncIterator[EngineChunk | EngineError]:
-        """The router's events; after a `Redirect`, those of the engine replica's stream it names."""
-        async for event in self._router_events():
-            if isinstance(event, Redirect):
-                self.redirect = event
-                async for e in self.engines.stream(event, self):
-                    yield e
-                return
-            yield event
-
-    async def receive_first(self) -> None:
-        try:
-            self.first = await self._events.__anext__()
-            self.timing.first_event()
-        except StopAsyncIteration:
-            self.first = EngineError(status=500, message="the engine ended the request without output",
-                                     code="internal_error")
-        except Exception as e:  # the router or an engine replica is gone
-            self.first = e
-
-    async def chunks(self) -> AsyncIterator[EngineChunk]:
-        """The first chunk, then the rest until the request finishes; an error event raises ApiError. What
-        arrived while the caller was busy (writing SSE events) comes as one chunk."""
-        if self._last(self.first):
-            yield self.first
-            return
-        yield self.first
-        # the engine's events come through an EventQueue, which hands over what piled up meanwhile as one chunk
-        async for event in self._events:
-            if self._last(event):
-                yield event
-                return
-            yield event
-        self.done = True
-
-    def _last(self, event: EngineChunk | EngineError) -> bool:
-        """Whether `event` ends the request (an error raises ApiError)."""
-        if isinstance(event, EngineError):
-            self.done = True
-            self.timing.end("error")
-            raise ApiError.from_engine(event)
-        self.done = event.finished
-        if event.finished:
-            self.timing.end("finished")
-        return event.finished
-
-    def close(self) -> None:
-        """Cancel the request down the chain (router -> engine abort) unless it already ended; a direct stream
-        also aborts on its replica (in case its call never started there) and is released at the router."""
-        if not self.done:
-            self.done = True
-            self.timing.end("abort")
-            self.gen.cancel()
-            if self.started is not None:
-                self.engines.abort(self.started)
-        if self.engines is not None and not self._released:
-            # also when no redirect came: the router may have held the request before we stopped listening
-            # (a release of a request it does not hold changes nothing)
-            self._released = True
-            self.engines.release(self.request_id)
-
-
 def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
     for s in chunk.samples:
         c = choices[s.index]
@@ -495,77 +237,6 @@ def _apply(choices: list[_Choice], chunk: EngineChunk) -> None:
         if s.finish_reason is not None:
             c.finish_reason, c.stop_reason = s.finish_reason, s.stop_reason
 
-
-async def _merge(streams: list[_Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """Chunks of several requests as they arrive, tagged with the prompt index. Leaving early (client gone)
-    cancels every request still running."""
-    if len(streams) == 1:
-        try:
-            async for chunk in streams[0].chunks():
-                yield 0, chunk
-        finally:
-            streams[0].close()
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-    done_marker = object()
-
-    async def pump(p: int, stream: _Stream) -> None:
-        try:
-            async for chunk in stream.chunks():
-                await queue.put((p, chunk))
-        except Exception as e:  # handed to the consumer, which re-raises
-            await queue.put((p, e))
-        finally:
-            await queue.put((p, done_marker))
-
-    tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            p, item = await queue.get()
-            if item is done_marker:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield p, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            s.close()
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """An SSE body that never dies mid-flight with a trace: a failure becomes an OpenAI error event + [DONE]."""
-    try:
-        async for event in events:
-            yield event
-    except ApiError as e:
-        yield sse_event(e.body())
-        yield SSE_DONE
-    except Exception as e:
-        logger.error("stream failed: %r", e)
-        yield sse_event(ApiError(500, f"the stream failed ({type(e).__name__})", code="internal_error").body())
-        yield SSE_DONE
-
-
-class _SSEResponse(StreamingResponse):
-    """An SSE response that closes its streams however it ends: a client gone before the body started leaves the
-    body generator unstarted (its own cleanup never runs), and each stream still owes its engine an abort and the
-    router a release."""
-
-    def __init__(self, body: AsyncIterator[str], streams: list[_Stream]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._streams = streams
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            for s in self._streams:
-                s.close()
 
 
 TINY_MODEL_NAME = "m3-tiny"
@@ -589,7 +260,7 @@ def model_name_for(config: ServeConfig, model_dir: str | Path) -> str:
 class Ingress:
     def __init__(self, router: DeploymentHandle, config: ServeConfig, model_dir: str, model_name: str) -> None:
         self._router = router
-        self._engines = _Engines(router)  # direct streams from the engine replicas (see _Stream)
+        self._engines = EngineStreams(router)  # direct streams from the engine replicas (deploy/stream.py)
         self._config = config
         self._model_dir = model_dir
         self._model_name = model_name
@@ -859,16 +530,16 @@ class Ingress:
                          return_token_ids=body.return_token_ids, top_n=top_n, output=rendered.spec)
 
     # -- talking to the router ------------------------------------------------------------------------------
-    async def _start(self, prep: _Prepared) -> list[_Stream]:
+    async def _start(self, prep: _Prepared) -> list[Stream]:
         """Send every prompt to the router and wait for each one's first event, so that a refusal (400, 429,
         503) becomes the HTTP status before any byte of a stream is sent."""
         released = self._engines.take_released()  # ended direct streams, told to the router with this call
         if self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
             router = self._router.options(stream=True)
-            streams = [_Stream(router.generate.remote(r, True, released if i == 0 else ()), r.request_id,
+            streams = [Stream(router.generate.remote(r, True, released if i == 0 else ()), r.request_id,
                                self._engines) for i, r in enumerate(prep.engine_requests())]
         else:
-            streams = [_Stream(self._router.route.remote(r, released if i == 0 else ()), r.request_id, self._engines)
+            streams = [Stream(self._router.route.remote(r, released if i == 0 else ()), r.request_id, self._engines)
                        for i, r in enumerate(prep.engine_requests())]
         try:
             await asyncio.gather(*(s.receive_first() for s in streams))
@@ -889,9 +560,9 @@ class Ingress:
         raise ApiError(503, f"engine unavailable ({type(errors[0]).__name__})", code="engine_unavailable",
                        retry_after=NOT_READY_RETRY_S)
 
-    async def _collect(self, prep: _Prepared, streams: list[_Stream]) -> list[list[_Choice]]:
+    async def _collect(self, prep: _Prepared, streams: list[Stream]) -> list[list[_Choice]]:
         """Run every stream to its end: per prompt, its choices."""
-        async def one(stream: _Stream) -> list[_Choice]:
+        async def one(stream: Stream) -> list[_Choice]:
             choices = [_Choice(index=i) for i in range(prep.params.n)]
             async for chunk in stream.chunks():
                 _apply(choices, chunk)
@@ -910,7 +581,7 @@ class Ingress:
 
     # -- responses ------------------------------------------------------------------------------------------
     def _completion_response(self, prep: _Prepared, per_prompt: list[list[_Choice]],
-                             streams: list[_Stream]) -> CompletionResponse:
+                             streams: list[Stream]) -> CompletionResponse:
         out, completion_tokens = [], 0
         prompt_tokens = sum(len(p) for p in prep.prompts)
         for p, (choices, stream) in enumerate(zip(per_prompt, streams)):
@@ -961,8 +632,8 @@ class Ingress:
 
     # -- streaming ------------------------------------------------------------------------------------------
     @staticmethod
-    def _sse(events: AsyncIterator[str], streams: list[_Stream]) -> StreamingResponse:
-        return _SSEResponse(_guarded(events), streams)
+    def _sse(events: AsyncIterator[str], streams: list[Stream]) -> StreamingResponse:
+        return SSEResponse(guarded(events), streams)
 
     async def _completion_events(self, prep: _Prepared, streams) -> AsyncIterator[str]:
         n = prep.params.n
@@ -970,7 +641,7 @@ class Ingress:
         generated = 0
         started: set[int] = set()
         enc = ChunkEncoder(id=prep.id, object="text_completion", model=prep.model)
-        async for p, chunk in _merge(streams):
+        async for p, chunk in merge(streams):
             for s in chunk.samples:
                 index = p * n + s.index
                 text, lp_ids, lp = s.text, list(s.token_ids), list(s.logprobs or [])
@@ -1001,7 +672,7 @@ class Ingress:
         opening = [chat_chunk_choice(index=i, role="assistant", content="") for i in range(prep.params.n)]
         yield enc.event(opening, None, prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None)
         splitters = [chat.ChatStreamSplitter(prep.output or chat.OutputSpec()) for _ in range(prep.params.n)]
-        async for _, chunk in _merge(streams):
+        async for _, chunk in merge(streams):
             for s in chunk.samples:
                 generated += len(s.token_ids)
                 logprobs = None

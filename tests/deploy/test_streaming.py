@@ -252,7 +252,7 @@ class _FakeEngine:
 
 
 def test_a_subscription_hands_each_request_its_events_and_a_broken_one_fails_only_its_own():
-    from deploy.ingress import _Subscription
+    from deploy.stream import Subscription as _Subscription
     from deploy.protocol import Redirect
     from deploy.streaming import EventQueue
 

@@ -1,0 +1,400 @@
+"""The ingress's side of each engine request: its event stream, how it ends, and what it owes when it ends.
+
+A request goes to the router, which answers a `Redirect` (or, disaggregated, streams the prefill's first token and
+then redirects); the tokens then come straight from the named engine replica, through one subscription per engine
+replica shared by all this ingress replica's requests (`Subscription`, `EngineStreams`). A stream that ends early
+(the client left, the server drains) owes its engine an abort and the router a release; those run in the background.
+
+Every call that must outlive the HTTP request that made it (an abort, a release, a request's start, the shared
+subscription) is made `detached`: Serve cancels the calls a cancelled HTTP request made, pending or in flight, when
+the cancellation reaches its replica wrapper, so an abort sent from the request's own cleanup was cancelled in about
+1 of 3 runs of the e2e metrics test (issue 22: the request then ran on to its `max_tokens`), and a subscription
+opened by a request whose client left was cut for every request on it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi.responses import StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deploy.errors import ApiError
+from deploy.metrics_endpoint import RequestTiming
+from deploy.protocol import SSE_DONE, EngineChunk, EngineError, Redirect, sse_event
+from deploy.streaming import EventQueue
+
+logger = logging.getLogger("m3serve.ingress")
+
+RELEASE_FLUSH_S = 0.05  # ended direct streams wait this long for a router call to ride on (EngineStreams.release)
+T = TypeVar("T")
+
+
+def detached(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` made in an empty context: a Serve handle call made so is no HTTP request's child, so Serve does
+    not cancel it when that request is cancelled (a client that hung up). Tasks it creates inherit that context."""
+    return contextvars.Context().run(call, *args)
+
+
+def _as_task(call: Callable[..., Any], *args: Any) -> asyncio.Future:
+    return asyncio.ensure_future(call(*args))
+
+
+class Subscription:
+    """This ingress replica's one stream from one engine replica (`EngineServer.subscribe`): every step's events of
+    all the requests it started there arrive as one item, and are handed to each request's `EventQueue`. When it
+    breaks (the replica died or restarted) every request on it fails and it is `broken`: the next request opens
+    a new one (`EngineStreams`)."""
+
+    def __init__(self, handle: DeploymentHandle, subscriber: str) -> None:
+        self._handle = handle
+        self._subscriber = subscriber
+        self._queues: dict[str, EventQueue] = {}
+        self.broken = False
+        # detached: shared by every request; the one whose call opened it may be cancelled (its client left)
+        self._gen = detached(handle.options(stream=True).subscribe.remote, subscriber)
+        self._open = asyncio.get_running_loop().create_future()  # done once the replica took the subscription
+        self._task = asyncio.ensure_future(self._run())
+
+    async def start(self, r: Redirect, queue: EventQueue,
+                    owner: "Stream | None" = None) -> EngineChunk | EngineError | None:
+        """Start the redirected request on the replica; its events go to `queue` (registered first: they may come
+        through the subscription before the call's answer). None: started (every event comes through `queue`);
+        else the replica's refusal, or its first event (a replica that answers it: nothing more of that one
+        goes to `queue` when it ends the request). The start call runs to its answer even if the caller is
+        cancelled: `owner.start_call` holds it, and the owner's abort goes out only after it (an abort that
+        overtook its start found nothing to abort, and the request then ran to its end)."""
+        await asyncio.shield(self._open)
+        self._queues[r.request_id] = queue
+        call = detached(_as_task, self._handle.start.remote, self._subscriber, r.method, r.args)
+        if owner is not None:
+            owner.start_call = call
+        try:
+            first = await asyncio.shield(call)
+        except BaseException:
+            self._queues.pop(r.request_id, None)
+            raise
+        if first is not None and (isinstance(first, EngineError) or first.finished):
+            self._queues.pop(r.request_id, None)
+            if isinstance(first, EngineError) and first.code == "engine_unavailable":
+                self.close()  # the replica lost this subscription: the next request opens a new one
+        return first
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _run(self) -> None:
+        error: BaseException = RuntimeError("the engine replica ended the subscription")
+        try:
+            async for batch in self._gen:
+                if not self._open.done():
+                    self._open.set_result(None)
+                for rid, event in batch:
+                    queue = self._queues.get(rid)
+                    if queue is not None:
+                        queue.put(event)
+                        if isinstance(event, EngineError) or event.finished:
+                            del self._queues[rid]
+        except BaseException as e:  # noqa: BLE001 - handed to every request on it
+            error = e
+        self.broken = True
+        if not self._open.done():
+            self._open.set_exception(error)
+            self._open.exception()  # retrieved: the waiting requests get it through their shield
+        queues, self._queues = list(self._queues.values()), {}
+        for queue in queues:
+            queue.fail(error)
+
+    def close(self) -> None:
+        self.broken = True
+        self._gen.cancel()
+
+
+class EngineStreams:
+    """The engine replicas a `Redirect` names (one handle and one subscription per deployment, made on first use),
+    the streams still open (`live`: what a drain waits for, then ends), and the calls a direct stream owes when it
+    ends: the router's `release`, an abort on the replica if it was cut short. Those run in the background: the
+    client's response does not wait for them."""
+
+    def __init__(self, router: DeploymentHandle) -> None:
+        self._router = router
+        self._handles: dict[tuple[str, str], DeploymentHandle] = {}
+        self._subscriptions: dict[tuple[str, str], Subscription] = {}
+        self._subscriber = f"ingress-{uuid.uuid4().hex[:12]}"
+        self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
+        self._released: list[str] = []  # ended direct streams the router has not been told of yet
+        self._flush: asyncio.TimerHandle | None = None
+        self.live: set[Stream] = set()  # streams not closed yet
+
+    async def stream(self, r: Redirect, owner: "Stream") -> AsyncIterator[EngineChunk | EngineError]:
+        """The redirected request's events, through the subscription (`start` starts it)."""
+        sub = self._subscription(r)
+        queue = EventQueue()
+        owner.started, owner.queue = r, queue
+        try:
+            first = await sub.start(r, queue, owner)
+            if first is not None:
+                yield first
+                if isinstance(first, EngineError) or first.finished:
+                    return
+            async for event in queue:
+                yield event
+        finally:
+            sub.forget(r.request_id)
+
+    def _subscription(self, r: Redirect) -> Subscription:
+        key = (r.app_name, r.deployment)
+        sub = self._subscriptions.get(key)
+        if sub is None or sub.broken:
+            sub = self._subscriptions[key] = Subscription(self._handle(r), self._subscriber)
+        return sub
+
+    def end_all(self, error: EngineError) -> int:
+        """End every open stream with `error` (a drain's grace period is over); returns how many."""
+        streams = list(self.live)
+        for s in streams:
+            s.end(error)
+        return len(streams)
+
+    def close(self) -> None:
+        """This ingress replica is going away: end its subscriptions (the engines abort what ran on them)."""
+        for sub in self._subscriptions.values():
+            sub.close()
+
+    def release(self, release_id: str) -> None:
+        """Tell the router a direct stream ended: with the next request's router call (`take_released`), or on
+        its own after `RELEASE_FLUSH_S` if none comes (a call per request saved, its count stays right)."""
+        self._released.append(release_id)
+        if self._flush is None:
+            self._flush = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._flush_released)
+
+    def take_released(self) -> list[str]:
+        ids, self._released = self._released, []
+        return ids
+
+    def _flush_released(self) -> None:
+        self._flush = None
+        ids = self.take_released()
+        if ids:
+            self._background(self._send(self._router.release.remote, ids), "release")
+
+    def abort(self, r: Redirect, after: asyncio.Future | None = None) -> None:
+        """Abort `r` on its replica, once its start call (`after`) has answered."""
+        async def abort() -> None:
+            if after is not None:
+                await asyncio.wait([after])  # its outcome is the start's business, not the abort's
+            await self._send(self._handle(r).abort.remote, r.request_id)
+
+        self._background(abort(), "abort")
+
+    @staticmethod
+    async def _send(call: Callable[..., Any], *args: Any) -> Any:
+        return await detached(call, *args)
+
+    def _handle(self, r: Redirect) -> DeploymentHandle:
+        key = (r.app_name, r.deployment)
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._handles[key] = serve.get_deployment_handle(r.deployment, app_name=r.app_name)
+        return handle
+
+    def _background(self, work: Any, what: str) -> None:
+        async def wait() -> None:
+            try:
+                await work
+            except Exception as e:  # the replica is gone: nothing left to release or abort there
+                logger.warning("%s after a direct stream failed: %r", what, e)
+
+        task = asyncio.ensure_future(wait())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+
+class Stream:
+    """One engine request's event stream, with its first event already received: from the router, and after a
+    `Redirect` straight from the engine replica it names (`engines`). `router`: the router's answer, a stream
+    (`generate`) or a single `Redirect` / `EngineError` (`route`)."""
+
+    def __init__(self, router: Any, request_id: str, engines: EngineStreams | None = None) -> None:
+        self.gen = router
+        self.request_id = request_id
+        self.engines = engines
+        self.redirect: Redirect | None = None
+        self.started: Redirect | None = None  # set once the redirected request is being started on its replica
+        self.start_call: asyncio.Future | None = None  # that start call (an abort waits for its answer)
+        self.queue: EventQueue | None = None  # where the replica's events arrive, once redirected
+        self.first: EngineChunk | EngineError | BaseException | None = None
+        self.timing = RequestTiming()  # client-visible TTFT / e2e (deploy/metrics_endpoint.py)
+        self.done = False
+        self._ended: EngineError | None = None  # set by `end`: the error this stream ends with
+        self._released = False
+        self._aborted = False
+        self._events = self._follow()
+        if engines is not None:
+            engines.live.add(self)
+
+    async def _router_events(self) -> AsyncIterator[EngineChunk | EngineError | Redirect]:
+        if hasattr(self.gen, "__aiter__"):
+            async for event in self.gen:
+                yield event
+        else:
+            yield await self.gen
+
+    async def _follow(self) -> AsyncIterator[EngineChunk | EngineError]:
+        """The router's events; after a `Redirect`, those of the engine replica's stream it names."""
+        try:
+            async for event in self._router_events():
+                if isinstance(event, Redirect):
+                    self.redirect = event
+                    async for e in self.engines.stream(event, self):
+                        yield e
+                    return
+                yield event
+        except Exception:
+            if self._ended is None:
+                raise
+            yield self._ended  # `end` cancelled the router's call: the stream ends with its error instead
+
+    def end(self, error: EngineError) -> None:
+        """End this stream with `error` as its next event, wherever it is (the server drains and its grace period
+        is over); the request is aborted as the consumer closes the stream."""
+        if self.done or self._ended is not None:
+            return
+        self._ended = error
+        if self.queue is not None:
+            self.queue.put(error)
+        else:  # still at the router: cancel its call, `_follow` answers with the error
+            self.gen.cancel()
+
+    async def receive_first(self) -> None:
+        try:
+            self.first = await self._events.__anext__()
+            self.timing.first_event()
+        except StopAsyncIteration:
+            self.first = EngineError(status=500, message="the engine ended the request without output",
+                                     code="internal_error")
+        except Exception as e:  # the router or an engine replica is gone
+            self.first = e
+
+    async def chunks(self) -> AsyncIterator[EngineChunk]:
+        """The first chunk, then the rest until the request finishes; an error event raises ApiError. What
+        arrived while the caller was busy (writing SSE events) comes as one chunk."""
+        if self._last(self.first):
+            yield self.first
+            return
+        yield self.first
+        # the engine's events come through an EventQueue, which hands over what piled up meanwhile as one chunk
+        async for event in self._events:
+            if self._last(event):
+                yield event
+                return
+            yield event
+        self.done = True
+
+    def _last(self, event: EngineChunk | EngineError) -> bool:
+        """Whether `event` ends the request (an error raises ApiError)."""
+        if isinstance(event, EngineError):
+            self.done = True
+            self.timing.end("error")
+            raise ApiError.from_engine(event)
+        self.done = event.finished
+        if event.finished:
+            self.timing.end("finished")
+        return event.finished
+
+    def close(self) -> None:
+        """Cancel the request down the chain (router -> engine abort) unless it finished; a direct stream also
+        aborts on its replica (in case its call never started there) and is released at the router. A stream
+        ended by `end` is aborted too: the engine still runs it."""
+        if self.engines is not None:
+            self.engines.live.discard(self)
+        if not self.done or (self._ended is not None and not self._aborted):
+            if not self.done:
+                self.done = True
+                self.timing.end("abort")
+            self._aborted = True
+            self.gen.cancel()
+            if self.started is not None:
+                self.engines.abort(self.started, after=self.start_call)
+        if self.engines is not None and not self._released:
+            # also when no redirect came: the router may have held the request before we stopped listening
+            # (a release of a request it does not hold changes nothing)
+            self._released = True
+            self.engines.release(self.request_id)
+
+
+async def merge(streams: list[Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of several requests as they arrive, tagged with the prompt index. Leaving early (client gone)
+    cancels every request still running."""
+    if len(streams) == 1:
+        try:
+            async for chunk in streams[0].chunks():
+                yield 0, chunk
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done_marker = object()
+
+    async def pump(p: int, stream: Stream) -> None:
+        try:
+            async for chunk in stream.chunks():
+                await queue.put((p, chunk))
+        except Exception as e:  # handed to the consumer, which re-raises
+            await queue.put((p, e))
+        finally:
+            await queue.put((p, done_marker))
+
+    tasks = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            p, item = await queue.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield p, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An SSE body that never dies mid-flight with a trace: a failure becomes an OpenAI error event + [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as e:
+        yield sse_event(e.body())
+        yield SSE_DONE
+    except Exception as e:
+        logger.error("stream failed: %r", e)
+        yield sse_event(ApiError(500, f"the stream failed ({type(e).__name__})", code="internal_error").body())
+        yield SSE_DONE
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE response that closes its streams however it ends: a client gone before the body started leaves the
+    body generator unstarted (its own cleanup never runs), and each stream still owes its engine an abort and the
+    router a release."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[Stream]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
