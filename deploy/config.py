@@ -98,8 +98,13 @@ class ServeConfig:
     # chat template variables for every chat request (e.g. {"enable_thinking": true}); a request's
     # `chat_template_kwargs` are merged over them
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # `m3serve serve` on SIGTERM/SIGINT: new requests get 503 + Retry-After and /health goes not ready at once;
+    # requests in flight get this long to finish, the rest end with an error event (503 `shutting_down`)
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.drain_grace_s <= 3600:
+            raise ValueError(f"drain_grace_s: must be in [0, 3600], got {self.drain_grace_s}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes: must be >= 1024 (or null), got {self.max_request_bytes}")
 

@@ -4,7 +4,7 @@ FastAPI reads and validates a request body before a route's own code runs, so a 
 after the parse: a 50 MB id list without a key took 20 s to be told 401, and any body of any size was read whole
 (a 50 MB prompt held the ingress for 99 s; Serve then replaced it). This is a plain ASGI middleware (not
 `BaseHTTPMiddleware`, which would buffer the body itself):
-- With a key set, every path but `/health` needs `Authorization: Bearer <key>` (the docs and the OpenAPI schema
+- With a key set, every path but the probes (`/health`, `/health/ready`, `/health/live`) needs `Authorization: Bearer <key>` (the docs and the OpenAPI schema
   too): 401 `invalid_api_key` at once, the body never read.
 - A declared `Content-Length` over the limit is 413 `request_too_large` at once. A body without one (chunked) is
   read here up to the limit (at most that much is held) and replayed to the app, or answered with the same 413
@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-OPEN_PATHS = ("/health",)  # probes carry no key (Kubernetes, load balancers)
+OPEN_PATHS = ("/health", "/health/ready", "/health/live")  # probes carry no key (Kubernetes, load balancers)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]

@@ -217,6 +217,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
                      total_tokens=prompt_tokens + completion_tokens)
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry (another instance, or this one once restarted)",
+                    code="shutting_down", retry_after=NOT_READY_RETRY_S)
+
+
 def _not_ready_message(state: dict) -> str:
     if state.get("error"):
         return f"not ready: {state['error']}"
@@ -270,6 +275,7 @@ class Ingress:
             or guard.default_max_body_bytes(config.engine.max_model_len))
         self._max_model_len = config.engine.max_model_len
         self._ready = False
+        self._drain: asyncio.Future | None = None  # set once the server drains (`drain`): no new requests
         self._log_unknown = extras.UnknownFieldLog(logger)
         self._tokenizer = None
         self._sampling_defaults: dict[str, Any] = {}
@@ -324,6 +330,8 @@ class Ingress:
         return state
 
     async def _check_ready(self) -> None:
+        if self._drain is not None:
+            raise _shutting_down()
         state = await self._readiness()
         if not state["ready"]:
             raise ApiError(503, _not_ready_message(state), code="not_ready", retry_after=NOT_READY_RETRY_S)
@@ -372,11 +380,41 @@ class Ingress:
         return await self.health()
 
     @app.get("/health")
+    @app.get("/health/ready")
     async def health(self) -> JSONResponse:
+        """Readiness (Kubernetes' sense: send traffic here): every engine answers ready now and the server is not
+        draining. 503 while an engine loads, restarts or is dead, and from the moment a drain starts."""
+        if self._drain is not None:
+            return _shutting_down().response()
         state = await self._readiness(fresh=True)
         if state["ready"]:
             return JSONResponse({"status": "ok", "model": self._model_name})
         return ApiError(503, _not_ready_message(state), code="not_ready", retry_after=NOT_READY_RETRY_S).response()
+
+    @app.head("/health/ready")
+    async def ready_head(self) -> JSONResponse:
+        return await self.health()
+
+    @app.get("/health/live")
+    @app.head("/health/live")
+    async def live(self) -> JSONResponse:
+        """Liveness (restart me if this fails): this process answers HTTP. Not the engines' state: a restarting
+        engine is Serve's to replace, and restarting the pod over it would only lose more work."""
+        return JSONResponse({"status": "alive", "draining": self._drain is not None})
+
+    async def drain(self, grace_s: float) -> dict:
+        """The server is stopping (`m3serve serve` got SIGTERM): refuse new requests (503 + Retry-After, readiness
+        503), give those in flight `grace_s` to finish, end the rest with a 503 `shutting_down` error (an SSE error
+        event, then [DONE]), then close the engine subscriptions. Called once per replica; later calls wait for
+        the same drain."""
+        if self._drain is None:
+            error = EngineError(status=503, code="shutting_down", retry_after=NOT_READY_RETRY_S,
+                                message=f"the server is shutting down and the request did not finish within its "
+                                        f"grace period ({grace_s:g} s); retry")
+            self._drain = asyncio.ensure_future(self._engines.drain(grace_s, error))
+        counts = await asyncio.shield(self._drain)
+        self._engines.close()
+        return {**counts, "replica": serve.get_replica_context().replica_id.unique_id}
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

@@ -1,5 +1,8 @@
 """`m3serve serve`: start (or join) Ray, deploy `build_app`, show loading progress, serve until SIGINT/SIGTERM.
 
+Stopping drains first (docs/operations.md): new requests get 503 + Retry-After and /health goes not ready at once,
+requests in flight get `drain_grace_s` to finish, the rest end with an error event; then Serve and Ray stop.
+
 Without `--model` it serves the built-in tiny model (written into the cache on first use). `--config` takes a
 serve YAML (`configs/serve/*.yaml` or any path); flags given explicitly override it.
 """
@@ -37,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-waiting", type=int, help="waiting-queue bound per engine; beyond it the server answers 429")
     add("--enforce-eager", action="store_true", default=None,
         help="run every step eagerly: no CUDA graphs for decode steps (default: captured at startup on CUDA)")
+    add("--drain-grace", type=float,
+        help="seconds requests in flight may take to finish after SIGTERM/SIGINT (default: 30); the rest end "
+             "with an error")
     add("--api-key", help="require this bearer token (else env M3SERVE_API_KEY; default: no auth)")
     add("--address", help="join this Ray cluster instead of starting a local one (e.g. auto, 10.0.0.1:6379)")
     add("--num-cpus", type=float, help="CPUs of the local Ray instance (default: all)")
@@ -76,6 +82,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     put("model_name", args.model_name)
     put("device", args.device)
     put("api_key", args.api_key)
+    put("drain_grace_s", getattr(args, "drain_grace", None))
     put("http.host", args.host)
     put("http.port", args.port)
     put("unified.tp", args.tp)
@@ -222,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
         _say(metrics_text(f"http://{shown_host}:{port}", shown_host, args))
         stop.wait()
+        _drain(config)
     except KeyboardInterrupt:
         code = 130
     finally:
@@ -229,6 +237,28 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
         _shutdown(args)
     return code
+
+
+def _drain(config: Any) -> None:
+    """Drain every ingress replica (`Ingress.drain`). A handle call reaches one replica of Serve's choice, so a
+    few per replica go out together and the distinct replicas that answered are counted."""
+    from ray import serve
+
+    ingress = serve.get_deployment_handle("Ingress", app_name=APP_NAME)
+    grace = config.drain_grace_s
+    _say(f"draining: no new requests; those in flight get {grace:g} s to finish (a second signal stops at once)")
+    calls = [ingress.drain.remote(grace) for _ in range(2 * config.ingress_replicas)]
+    answers = {}
+    for call in calls:
+        try:
+            answer = call.result(timeout_s=grace + 30)
+            answers[answer["replica"]] = answer
+        except Exception as e:  # a replica gone already has nothing to drain
+            _say(f"drain: {type(e).__name__}: {e}")
+    ended = sum(a["ended"] for a in answers.values())
+    finished = sum(a["open"] - a["ended"] for a in answers.values())
+    _say(f"drained {len(answers)} of {config.ingress_replicas} ingress replica(s): {finished} request(s) finished, "
+         f"{ended} ended with an error after the grace period")
 
 
 def _shutdown(args: argparse.Namespace) -> None:

@@ -32,6 +32,8 @@ from deploy.streaming import EventQueue
 logger = logging.getLogger("m3serve.ingress")
 
 RELEASE_FLUSH_S = 0.05  # ended direct streams wait this long for a router call to ride on (EngineStreams.release)
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the open streams ended
+DRAIN_CLOSE_S = 5.0  # after the grace period, how long the ended streams' consumers get to close them
 T = TypeVar("T")
 
 
@@ -161,6 +163,23 @@ class EngineStreams:
             s.end(error)
         return len(streams)
 
+    async def drain(self, grace_s: float, error: EngineError) -> dict[str, int]:
+        """Let the open streams end for up to `grace_s`, end the rest with `error` (an SSE error event, or the
+        non-streaming request's error answer), and wait (bounded) until their aborts and releases went out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        open_at_start = len(self.live)
+        while self.live and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        ended = self.end_all(error)
+        deadline = loop.time() + DRAIN_CLOSE_S
+        while self.live and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        self._flush_released()
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=DRAIN_CLOSE_S)
+        return {"open": open_at_start, "ended": ended, "left": len(self.live)}
+
     def close(self) -> None:
         """This ingress replica is going away: end its subscriptions (the engines abort what ran on them)."""
         for sub in self._subscriptions.values():
@@ -178,6 +197,8 @@ class EngineStreams:
         return ids
 
     def _flush_released(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
         self._flush = None
         ids = self.take_released()
         if ids:
