@@ -514,6 +514,7 @@ class Ingress:
             raw = list(prompt)
         if not raw:
             raise ApiError(400, "prompt: must not be empty", param="prompt", code="invalid_value")
+        self._check_prompt_count(len(raw))
         ids_list, texts = [], []
         max_tokens = body.max_tokens
         for item in raw:
@@ -534,6 +535,15 @@ class Ingress:
                          stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
                          return_token_ids=body.return_token_ids, echo=body.echo, top_n=body.logprobs)
+
+    def _check_prompt_count(self, count: int) -> None:
+        """More prompts than the engines can hold waiting can never be admitted: a 400, not a 429 forever. The
+        bound is one replica's `max_waiting` times the fewest replicas of a role (each prompt waits in each role)."""
+        limit = self._config.engine.max_waiting * min(g.replicas for g in self._config.groups().values())
+        if count > limit:
+            raise ApiError(400, f"prompt: {count} prompts in one request; this server can hold at most {limit} "
+                                f"waiting, so the request could never be admitted (send at most {limit})",
+                           param="prompt", code="invalid_value")
 
     def _encode(self, text: str, field_name: str, *, add_special_tokens: bool) -> list[int]:
         # JSON may carry a lone surrogate ("\ud800"): valid JSON, not encodable text (the tokenizer raised a
