@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import warnings
 from pathlib import Path
 
 import pytest
@@ -146,24 +145,16 @@ def _check_counts(server: _Server, prom: Prometheus, model: str) -> None:
 
 
 def _check_aborts(server: _Server, prom: Prometheus, model: str, max_model_len: int) -> None:
-    """Clients that hang up: counted as aborted at the ingress and at the engine, never as successes.
-
-    Known (issue 21 follow-up, outside metrics): in ~1 of 3 runs the engine never hears of one of the two
-    hang-ups (the ingress counted it, Serve's proxy logged the disconnect) and runs that request on to its full
-    length. So the engine-side check is: each abandoned request is aborted or still running, none a success."""
+    """Clients that hang up: counted as aborted at the ingress and at the engine, never as successes, and none
+    left running (a lost abort used to leave ~1 in 3 runs with one; deploy/stream.py says why it cannot now)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_model_len - len(PROMPT), "temperature": 0,
             "ignore_eos": True}
     sel = f'{{model_name="{model}"}}'
     for _ in range(ABORTS):
         server.abort_after_first_event(body)
     _wait_value(prom, f'm3serve_ingress_requests_total{{model_name="{model}",outcome="abort"}}', ABORTS)
-    prom.wait_until(f"sum(m3serve_request_abort_total{sel})", lambda v: v is not None and v >= 1)
-    time.sleep(3)  # a few scrapes for the other abort
-    aborted = _metric(prom, f"m3serve_request_abort_total{sel}")
-    running = _metric(prom, f"vllm:num_requests_running{sel}")
-    assert aborted + running == ABORTS and aborted >= 1, (aborted, running)
-    if running:
-        warnings.warn(f"{running:.0f} abandoned request(s) still running at the engine: an abort was lost")
+    _wait_value(prom, f"m3serve_request_abort_total{sel}", ABORTS)
+    _wait_value(prom, f"vllm:num_requests_running{sel}", 0)
     assert _metric(prom, f"vllm:request_success_total{sel}") == N
     assert _metric(prom, f"vllm:time_to_first_token_seconds_count{sel}") == N
 

@@ -240,10 +240,8 @@ def _disconnect_after_three_chunks(serve_app) -> str | None:
 
 def test_client_disconnect_mid_stream_frees_pages(serve_app):
     """Close the connection after a few tokens of a long generation (450 tokens, ~4 s here): the engine aborts it
-    and frees its pages. Once in several CI runs the abort did not reach the engine before the 450 tokens ended
-    (cause not found: somewhere in Serve's disconnect -> cancel path), so up to three attempts are made: each one
-    must end aborted or finished with every page free, and at least one must be aborted."""
-    outcomes = []
+    (not finished: cut short) and frees its pages, three times in a row (the abort was once lost in several CI
+    runs; deploy/stream.py sends it outside the cancelled HTTP request's context)."""
     for _attempt in range(3):
         before = serve_app.wait_idle()[0]["counters"]
         assert _disconnect_after_three_chunks(serve_app) is not None
@@ -251,12 +249,7 @@ def test_client_disconnect_mid_stream_frees_pages(serve_app):
         assert rows[0]["stats"]["num_pages_free"] == rows[0]["stats"]["num_pages_total"]
         after = rows[0]["counters"]
         aborted, finished = after["aborted"] - before["aborted"], after["finished"] - before["finished"]
-        assert (aborted, finished) in ((1, 0), (0, 1)), (before, after)
-        outcomes.append("aborted" if aborted else "finished")
-        if aborted:
-            break
-    # the request was cut short (aborted in the engine), not run to its 450 tokens
-    assert outcomes[-1] == "aborted", outcomes
+        assert (aborted, finished) == (1, 0), (before, after)
 
 
 def test_stop_string_ends_the_completion(serve_app):
