@@ -3,17 +3,24 @@
 `StepBatch` is plain data (lists, frozen dataclasses) so it pickles cheaply to a shard actor; the shard turns it
 into `AttentionMetadata` on its own device (`msa.metadata.host_metadata` + one staged copy). Sampling state
 that must persist across steps (a seeded request's RNG) lives on the shard, keyed by sequence id.
+
+Structured outputs: the grammar state of each constrained row lives with the engine core (it advances with the
+tokens the core receives); the batch carries only this step's allowed-token bitmask of those rows, filled here on
+the host, and the shard's sampler applies it (see docs/sampling.md).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from msa.metadata import ChunkSpec
 from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.sampler import suppressed_token_ids
-from workers.scheduler import SchedulerOutput
+from workers.scheduler import SchedulerOutput, Sequence as Seq
+from workers.structured import GrammarState, fill_token_bitmask
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,13 +59,19 @@ class StepBatch:
     rows: list[SampleRow]
     released_seq_ids: list[int]  # sequences gone since the last step: the shard drops their RNG state
     prompt_logprob_chunks: list[PromptLogprobChunk] = ()
+    # structured outputs: `token_bitmask[j]` ([C, ceil(V / 32)] int32, bit set = allowed) is the mask of
+    # `rows[bitmask_rows[j]]`; only constrained rows travel (a step of one JSON request among 256 carries one row)
+    bitmask_rows: list[int] = ()
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
 
-def _row(seq, eos_token_ids: Iterable[int]) -> SampleRow:
+def _row(seq, eos_token_ids: Iterable[int], constrained: bool) -> SampleRow:
+    """`constrained`: the row follows a grammar, which alone decides where it may end: suppressing EOS for
+    `min_tokens` could leave a complete grammar no allowed token."""
     p = seq.request.params
     needs_prompt = p.repetition_penalty != 1.0
     needs_output = needs_prompt or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
@@ -69,7 +82,8 @@ def _row(seq, eos_token_ids: Iterable[int]) -> SampleRow:
         params=p,
         prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens] if needs_prompt else [],
         output_token_ids=seq.output_token_ids if needs_output else [],
-        suppressed_ids=suppressed_token_ids(p, n_out, eos_token_ids) if n_out < p.min_tokens else [],
+        suppressed_ids=(suppressed_token_ids(p, n_out, eos_token_ids) if n_out < p.min_tokens and not constrained
+                        else []),
         num_output_tokens=n_out,
     )
 
@@ -89,16 +103,20 @@ def _prompt_logprob_chunk(i: int, c, next_target: int | None) -> PromptLogprobCh
 
 def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids: Sequence[int] = (),
                      released_seq_ids: Sequence[int] = (),
-                     prompt_logprob_progress: dict[int, int] | None = None) -> StepBatch:
+                     prompt_logprob_progress: dict[int, int] | None = None,
+                     grammar_of: Callable[[Seq], GrammarState | None] | None = None) -> StepBatch:
     """Flatten one scheduler output for the executor; valid until the scheduler runs again.
 
     `prompt_logprob_progress`: seq id -> the next prompt position whose logprob is wanted, for sequences
-    collecting prompt logprobs."""
+    collecting prompt logprobs. `grammar_of(seq)`: the sequence's grammar state (None: unconstrained); the
+    sampled rows that have one get their bitmask filled now."""
     input_ids: list[int] = []
     chunks: list[ChunkSpec] = []
     sample_chunks: list[int] = []
     rows: list[SampleRow] = []
     plp: list[PromptLogprobChunk] = []
+    grammars: list[GrammarState] = []
+    bitmask_rows: list[int] = []
     progress = prompt_logprob_progress or {}
     for i, c in enumerate(out.chunks):
         seq = c.seq
@@ -111,10 +129,26 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
         chunks.append(ChunkSpec(pages.page_table(seq.seq_id), c.start, c.num_tokens, c.is_decode,
                                 all_logits=want is not None))
         if c.sample:
+            state = grammar_of(seq) if grammar_of is not None else None
+            if state is not None:
+                bitmask_rows.append(len(rows))
+                grammars.append(state)
             sample_chunks.append(i)
-            rows.append(_row(seq, eos_token_ids))
+            rows.append(_row(seq, eos_token_ids, state is not None))
+    bitmask = fill_token_bitmask(grammars, grammars[0].vocab_size) if grammars else None
     return StepBatch(input_ids=input_ids, chunks=chunks, sample_chunks=sample_chunks, rows=rows,
-                     released_seq_ids=list(released_seq_ids), prompt_logprob_chunks=plp)
+                     released_seq_ids=list(released_seq_ids), prompt_logprob_chunks=plp, bitmask_rows=bitmask_rows,
+                     token_bitmask=None if bitmask is None else bitmask.numpy())
+
+
+def rows_token_bitmask(batch: StepBatch) -> np.ndarray | None:
+    """The [len(rows), W] int32 bitmask the sampler takes: the constrained rows' masks, every other row all
+    ones (all allowed); None when no row is constrained (the sampler then skips masking)."""
+    if batch.token_bitmask is None:
+        return None
+    full = np.full((len(batch.rows), batch.token_bitmask.shape[1]), -1, dtype=np.int32)
+    full[np.asarray(batch.bitmask_rows, dtype=np.int64)] = batch.token_bitmask
+    return full
 
 
 def logits_row_of_chunk(chunks: Sequence[ChunkSpec]) -> tuple[list[int], list[int]]:

@@ -36,6 +36,7 @@ from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.scheduler import Request, Scheduler, SchedulerOutput, Sequence as Seq
 from workers.stats import RequestStats
+from workers.structured import GrammarError, GrammarState, LazyCompiler
 
 if TYPE_CHECKING:  # the result type only: the core never runs a model
     from workers.runner import StepResult
@@ -64,6 +65,9 @@ class _Tracked:
     stats: RequestStats
     token_times: list[float] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # position 0 is None (nothing predicts it)
+    # structured output: one grammar state per sample (index = Sequence.index), advanced by each token the core
+    # appends (never by a recompute, which samples nothing new); None when the request is unconstrained
+    grammars: list[GrammarState] | None = None
 
     @property
     def prompt_logprobs_done(self) -> bool:
@@ -75,8 +79,12 @@ class EngineCore:
     docstring for the schedule/update contract."""
 
     def __init__(self, config: EngineConfig, *, num_pages: int, page_size: int, eos_token_ids: Sequence[int] = (),
-                 vocab_size: int | None = None, role: str = "unified") -> None:
+                 vocab_size: int | None = None, role: str = "unified",
+                 grammars: LazyCompiler | None = None) -> None:
+        """`grammars`: the engine's structured-output compiler (shared by its cores); None refuses constrained
+        requests."""
         self.config = config
+        self.grammars = grammars
         self.role = role
         self.eos_token_ids = tuple(eos_token_ids)
         self.pages = PageManager(num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
@@ -92,12 +100,36 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field if the request can never be served (reads configuration only)."""
+        """Raise ValueError naming the field if the request can never be served (reads configuration, and
+        compiles a structured-output grammar into the shared cache: thread-safe, and off the step loop when the
+        serving thread validates first)."""
         self.scheduler.validate([int(t) for t in prompt_token_ids], params)
+        if params.structured is not None:
+            self._compile(params)
+
+    def _compile(self, params: SamplingParams):
+        spec = params.structured
+        if self.grammars is None:
+            raise ValueError(f"{spec.source or 'structured'}: structured outputs are not enabled on this engine")
+        try:
+            return self.grammars.get().compile(spec)
+        except GrammarError as e:
+            # GrammarError is a ValueError; make sure the message leads with a field name (a 400 names it)
+            raise GrammarError(str(e) if spec.source else f"structured: {e}") from None
+
+    def _new_grammars(self, req: Request) -> list[GrammarState] | None:
+        params = req.params
+        if params.structured is None:
+            return None
+        self._compile(params)
+        compiler = self.grammars.get()
+        return [compiler.state(params.structured) for _ in req.seqs]
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
                     arrival_time: float | None = None, handoff: bool = False) -> Request:
         """Queue a request. `handoff` (prefill role): it ends after its first token with its pages kept."""
+        if params.structured is not None:
+            self._compile(params)  # a bad grammar raises before anything is queued
         req = self.scheduler.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
                                          handoff=handoff)
         self._track(req)
@@ -107,6 +139,8 @@ class EngineCore:
                    arrival_time: float | None = None) -> Request | None:
         """Decode role: reserve the pages of a prompt computed elsewhere; None when the pool has no room now.
         The request starts with `activate_remote`; `withdraw_remote` undoes an admission nobody started."""
+        if params.structured is not None:
+            self._compile(params)
         req = self.scheduler.add_remote(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         if req is not None:
             self._track(req)
@@ -122,6 +156,7 @@ class EngineCore:
         """Decode role: the prompt's KV landed and its first token is known; it decodes from the next step."""
         t = self._tracked[request_id]
         seq = self.scheduler.activate_remote(request_id, first_token)
+        self._advance_grammar(t, seq, first_token)  # the prefill engine sampled it under the same grammar
         out = self._on_token(t, seq, first_token, first_logprobs, time.monotonic())
         if t.req.finished:
             self._retire(t)
@@ -132,7 +167,8 @@ class EngineCore:
         t = _Tracked(req=req, stats=RequestStats(request_id=req.request_id, role=self.role,
                                                  prompt_tokens=len(req.prompt_token_ids),
                                                  arrival_time=req.arrival_time),
-                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                     grammars=self._new_grammars(req))
         self._tracked[req.request_id] = t
         if params.prompt_logprobs is not None and len(req.prompt_token_ids) > 1:
             self._prompt_logprob_pending[req.request_id] = t
@@ -191,7 +227,8 @@ class EngineCore:
             return None
         progress = {t.req.seqs[0].seq_id: len(t.prompt_logprobs) for t in self._prompt_logprob_pending.values()}
         batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
-                                 released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress)
+                                 released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress,
+                                 grammar_of=self._grammar_of)
         self._released_seq_ids = []
         self._scheduled, self._batch = sched_out, batch
         return batch
@@ -214,12 +251,35 @@ class EngineCore:
             row_of_seq[sched_out.chunks[ci].seq.seq_id] = r
         update = self.scheduler.update(sched_out, sampled)
         now = time.monotonic()
-        outputs = [self._on_token(self._tracked[seq.request.request_id], seq, token,
-                                  result.logprobs[row_of_seq[seq.seq_id]], now)
-                   for seq, token in update.new_tokens]
-        for rid in dict.fromkeys(seq.request.request_id for seq in update.finished if seq.request.finished):
-            self._retire(self._tracked[rid])
+        outputs = []
+        for seq, token in update.new_tokens:
+            t = self._tracked[seq.request.request_id]
+            self._advance_grammar(t, seq, token)
+            outputs.append(self._on_token(t, seq, token, result.logprobs[row_of_seq[seq.seq_id]], now))
+        ended = [seq for seq, _ in update.new_tokens if seq.finished] + update.finished
+        for rid in dict.fromkeys(seq.request.request_id for seq in ended if seq.request.finished):
+            if rid in self._tracked:
+                self._retire(self._tracked[rid])
         return outputs
+
+    def _grammar_of(self, seq: Seq) -> GrammarState | None:
+        t = self._tracked.get(seq.request.request_id)
+        return None if t is None or t.grammars is None else t.grammars[seq.index]
+
+    def _advance_grammar(self, t: _Tracked, seq: Seq, token: int) -> None:
+        """Feed a constrained sequence's new token to its grammar; the grammar's end (EOS accepted) finishes it
+        with "stop" even where the scheduler would not (ignore_eos, min_tokens). A token the grammar refuses
+        cannot come from the masked sampler: if one does, the sequence ends with "error" rather than go on
+        unconstrained."""
+        if t.grammars is None:
+            return
+        state = t.grammars[seq.index]
+        if state.is_terminated():
+            return
+        if not state.accept(token):
+            self.scheduler.finish(seq, "error", None)
+        elif state.is_terminated():
+            self.scheduler.finish(seq, "stop", None)
 
     def fail_step(self, failure_reason: str) -> list[EngineCoreOutput]:
         """The executor raised on the scheduled step: end exactly its requests (pages freed, sequences finished

@@ -38,6 +38,7 @@ from workers.output import OutputProcessor
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+from workers.structured import LazyCompiler, StructuredOutputCompiler
 from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger("m3serve.engine")
@@ -75,6 +76,9 @@ class EngineAPI:
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_id)))
         self.transfer_config = transfer or TransferConfig()
         self.output = OutputProcessor(self.tokenizer)
+        # structured outputs: one grammar compiler (and cache) for every core, built on the first constrained
+        # request; masks are as wide as the lm_head
+        self.grammars = LazyCompiler(lambda: StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size))
         self.ranks: list[Rank] = []
         self._step_stats: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
@@ -84,7 +88,8 @@ class EngineAPI:
         self.num_pages: int = info["num_pages"]  # per rank
         self.page_size: int = info["page_size"]
         core = EngineCore(self.engine_config, num_pages=self.num_pages, page_size=self.page_size,
-                          eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, role=self.role)
+                          eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, role=self.role,
+                          grammars=self.grammars)
         rank = Rank(core, make_connector(self.role, agents, self.transfer_config))
         self.ranks.append(rank)
         return rank

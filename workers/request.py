@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from workers.structured import GrammarSpec
+
 # integer fields fit a signed 64-bit tensor element (seeds, counts and ids travel to the device as int64)
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
 
@@ -34,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # structured output (JSON schema, regex, choice, EBNF, a forced tool call): every sample's tokens follow it
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         """Every field finite and bounded, so nothing a request carries reaches a step unchecked (a NaN
@@ -78,6 +82,8 @@ class SamplingParams:
             bad("stop", "stop strings must be non-empty strings")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= _INT_MAX for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be token ids in [0, {_INT_MAX}]")
+        if self.structured is not None and not isinstance(self.structured, GrammarSpec):
+            bad("structured", f"must be a GrammarSpec, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:

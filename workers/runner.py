@@ -29,7 +29,7 @@ from msa.kv_cache import KVCache
 from msa.metadata import Stager, build_metadata, host_metadata
 from msa.model import load_model
 from msa.parallel import ParallelContext
-from workers.batch import StepBatch, logits_row_of_chunk
+from workers.batch import StepBatch, logits_row_of_chunk, rows_token_bitmask
 from workers.config import EngineConfig
 from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step
 from workers.memory import (StepOutOfMemoryError, check_pool_holds_max_model_len, describe, graph_reserve_bytes,
@@ -253,7 +253,7 @@ class ModelRunner:
         generators = [self._generator(r, logits.shape[-1]) for r in rows]
         sb = SamplingBatch.build(params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows],
                                  generators, self.device, suppressed_ids=[r.suppressed_ids for r in rows],
-                                 stage=self._stager.stage)
+                                 token_bitmask=rows_token_bitmask(batch), stage=self._stager.stage)
         return self.sampler(logits, sb), [p.logprobs for p in params]
 
     def _generator(self, row, vocab_size: int) -> torch.Generator | None:

@@ -36,8 +36,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -76,21 +76,24 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     """A request's constraint. `kind` in KINDS; `spec` is canonical text: a JSON schema serialised with its key
-    order kept (property order is output order), a choice list as a JSON array, regex / EBNF as given."""
+    order kept (property order is output order), a choice list as a JSON array, regex / EBNF as given.
+    `source`: the request field it came from (e.g. "response_format"), named by compile errors; not part of
+    the cache key."""
 
     kind: str
     spec: str = ""
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise GrammarError(f"structured output: unknown kind {self.kind!r} (expected one of {KINDS})")
 
     @classmethod
-    def json_object(cls) -> "GrammarSpec":
-        return cls("json_object")
+    def json_object(cls, *, source: str = "") -> "GrammarSpec":
+        return cls("json_object", source=source)
 
     @classmethod
-    def json_schema(cls, schema: dict | str) -> "GrammarSpec":
+    def json_schema(cls, schema: dict | str, *, source: str = "") -> "GrammarSpec":
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -98,30 +101,30 @@ class GrammarSpec:
                 raise GrammarError(f"json_schema: not JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"json_schema: expected an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, ensure_ascii=False, separators=(",", ":")), source=source)
 
     @classmethod
-    def choice(cls, choices: Sequence[str]) -> "GrammarSpec":
+    def choice(cls, choices: Sequence[str], *, source: str = "") -> "GrammarSpec":
         if not choices or not all(isinstance(c, str) for c in choices):
             raise GrammarError("choice: expected a non-empty list of strings")
-        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False), source=source)
 
     @classmethod
-    def regex(cls, pattern: str) -> "GrammarSpec":
-        return cls("regex", pattern)
+    def regex(cls, pattern: str, *, source: str = "") -> "GrammarSpec":
+        return cls("regex", pattern, source=source)
 
     @classmethod
-    def grammar(cls, ebnf: str) -> "GrammarSpec":
+    def grammar(cls, ebnf: str, *, source: str = "") -> "GrammarSpec":
         """An EBNF grammar in xgrammar's (GBNF-like) syntax with a `root` rule."""
-        return cls("grammar", ebnf)
+        return cls("grammar", ebnf, source=source)
 
     @classmethod
-    def structural_tag(cls, tag: dict | str) -> "GrammarSpec":
+    def structural_tag(cls, tag: dict | str, *, source: str = "") -> "GrammarSpec":
         """An xgrammar structural tag ({"type": "structural_tag", "format": {...}}): sequences of literal text,
         single tokens by id, JSON schemas, regexes and grammars; vLLM's `structural_tag` response format."""
         if isinstance(tag, dict):
             tag = json.dumps(tag, ensure_ascii=False, separators=(",", ":"))
-        return cls("structural_tag", tag)
+        return cls("structural_tag", tag, source=source)
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -215,7 +218,8 @@ class StructuredOutputCompiler:
                 return c.compile_structural_tag(spec.spec)
             return c.compile_grammar(spec.spec)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse errors are RuntimeError subclasses
-            raise GrammarError(f"{spec.kind}: cannot compile: {_error_text(e)}") from None
+            where = f"{spec.source}: " if spec.source else ""
+            raise GrammarError(f"{where}{spec.kind}: cannot compile: {_error_text(e)}") from None
 
     def state(self, spec: GrammarSpec) -> "GrammarState":
         """A fresh matcher for one request (or one of its n samples: each sample needs its own)."""
@@ -224,6 +228,24 @@ class StructuredOutputCompiler:
     @staticmethod
     def _xgr_matcher(compiled) -> "xgrammar.GrammarMatcher":
         return _xgr().GrammarMatcher(compiled)
+
+
+class LazyCompiler:
+    """An engine's `StructuredOutputCompiler`, built by `make()` on the first constrained request (importing
+    xgrammar and reading the vocab cost seconds an engine that never sees one should not pay); thread-safe, so
+    requests validated on the serving thread and the step thread share it."""
+
+    def __init__(self, make: Callable[[], StructuredOutputCompiler]) -> None:
+        self._make = make
+        self._compiler: StructuredOutputCompiler | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> StructuredOutputCompiler:
+        if self._compiler is None:
+            with self._lock:
+                if self._compiler is None:
+                    self._compiler = self._make()
+        return self._compiler
 
 
 class GrammarState:
@@ -362,5 +384,5 @@ def apply_token_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor) -> No
     logits.masked_fill_(~allowed, float("-inf"))
 
 
-__all__ = ["GrammarError", "GrammarSpec", "GrammarState", "KINDS", "StructuredOutputCompiler", "allocate_token_bitmask",
+__all__ = ["GrammarError", "GrammarSpec", "GrammarState", "KINDS", "LazyCompiler", "StructuredOutputCompiler", "allocate_token_bitmask",
            "apply_token_bitmask", "apply_token_bitmask_torch", "fill_token_bitmask", "tokenizer_info", "warm_up"]
