@@ -95,13 +95,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def offered_tools(body: ChatCompletionRequest) -> list[dict] | None:
     """The tools the model may call, as dicts; None when there are none or `tool_choice` is "none" (then they are
-    not rendered either, so the model is not invited to call them). `required` and a named function need
-    constrained decoding, which this server does not do yet: a 400 rather than an answer that may not call."""
-    choice = body.tool_choice
-    if choice is not None and choice not in ("auto", "none"):
-        raise ChatRequestError("tool_choice", "only 'auto' and 'none' are supported yet ('required' and a named "
-                                              "function need constrained decoding)", code="unsupported")
-    if not body.tools or choice == "none":
+    not rendered either, so the model is not invited to call them). A forced choice ("required", a named
+    function) is rendered the same way; `deploy.guided` turns it into a grammar that makes the call."""
+    if not body.tools or body.tool_choice == "none":
         return None
     return [t.model_dump(exclude_none=True) for t in body.tools]
 

@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import chat, extras, guard, metrics_endpoint, openapi
+from deploy import chat, extras, guard, guided, metrics_endpoint, openapi
 from deploy.config import ServeConfig
 from deploy.errors import NOT_READY_RETRY_S, ApiError
 from deploy.metrics_endpoint import ArrivalStamp
@@ -37,6 +37,7 @@ from deploy.protocol import (
 )
 from deploy.stream import EngineStreams, SSEResponse, Stream, guarded, merge
 from workers.request import SamplingParams
+from workers.structured_spec import GrammarSpec
 
 logger = logging.getLogger("m3serve.ingress")
 
@@ -193,8 +194,9 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def _build_params(body: Any, *, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-                  defaults: dict[str, Any] | None = None) -> SamplingParams:
-    """`defaults` (generation_config.json's) fill the sampling fields the request left out."""
+                  defaults: dict[str, Any] | None = None, structured: GrammarSpec | None = None) -> SamplingParams:
+    """`defaults` (generation_config.json's) fill the sampling fields the request left out; `structured`: the
+    request's output constraint (deploy/guided.py)."""
     given = {
         "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "min_p": body.min_p,
         "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
@@ -207,7 +209,7 @@ def _build_params(body: Any, *, max_tokens: int, logprobs: int | None, prompt_lo
             stop=_stop_strings(body.stop), stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos, include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            **kwargs)
+            structured=structured, **kwargs)
     except ValueError as e:
         raise ApiError(400, str(e), param=param_of(str(e)), code="invalid_value") from None
 
@@ -528,7 +530,7 @@ class Ingress:
         effective = [self._check_prompt(ids, max_tokens, "prompt", "max_tokens") for ids in ids_list]
         params = _build_params(body, max_tokens=min(effective), logprobs=body.logprobs,
                                prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None,
-                               defaults=self._sampling_defaults)
+                               defaults=self._sampling_defaults, structured=guided.request_spec(body))
         # One max_tokens for all prompts when the client gave none: the tightest prompt's room. A client that
         # sets max_tokens gets exactly it (validated above for each prompt).
         return _Prepared(id=new_id("cmpl"), model=model, prompts=ids_list, prompt_texts=texts, params=params,
@@ -570,8 +572,9 @@ class Ingress:
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages", max_name)
         top_n = (body.top_logprobs or 0) if body.logprobs else None
+        structured = guided.chat_spec(body, rendered.spec.tools, rendered.spec.starts_in_reasoning)
         params = _build_params(body, max_tokens=max_tokens, logprobs=top_n, prompt_logprobs=None,
-                               defaults=self._sampling_defaults)
+                               defaults=self._sampling_defaults, structured=structured)
         return _Prepared(id=new_id("chatcmpl"), model=model, prompts=[ids], prompt_texts=[text], params=params,
                          stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                          continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),

@@ -78,6 +78,33 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema (`schema` is a reserved name in pydantic, hence the
+    alias)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(_Body):
+    """vLLM's newer `structured_outputs` object: exactly one of its constraints."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingFields(_Body):
     """Sampling fields common to both endpoints (OpenAI's, plus vLLM's usual extras)."""
 
@@ -102,6 +129,13 @@ class _SamplingFields(_Body):
     return_token_ids: bool = False  # vLLM: choices carry `token_ids`, and `prompt_token_ids` is returned
     user: str | None = None  # accepted for compatibility; not used
     logit_bias: dict[str, float] | None = None  # only empty/None is supported (checked by the ingress)
+    # structured outputs (deploy/guided.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from workers.structured import GrammarSpec
+from workers.structured_spec import GrammarSpec
 
 # integer fields fit a signed 64-bit tensor element (seeds, counts and ids travel to the device as int64)
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1

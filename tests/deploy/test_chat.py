@@ -72,8 +72,6 @@ def test_template_kwargs_server_default_and_request_override(tokenizer):
 
 
 @pytest.mark.parametrize("fields,param,code", [
-    ({"tool_choice": "required"}, "tool_choice", "unsupported"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "unsupported"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "invalid_value"),
     ({"messages": [{"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]}, "messages",
