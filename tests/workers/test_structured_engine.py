@@ -120,3 +120,13 @@ def test_decode_engine_continues_the_grammar_from_the_prefill_token(make_llm):
 
 def _allowed(row, vocab: int) -> set[int]:
     return {t for t in range(vocab) if (int(row[t // 32]) >> (t % 32)) & 1}
+
+
+@pytest.mark.gpu
+def test_schema_on_cuda(make_llm):
+    """The same through a CUDA shard: the bitmask staged with the batch, xgrammar's triton kernel, decode graphs."""
+    llm = make_llm(device="cuda", num_pages=256, max_model_len=1024)
+    spec = GrammarSpec.json_schema(SCHEMA)
+    outs = llm.generate(["Answer in JSON:"] * len(SEEDS), [_params(s, spec) for s in SEEDS])
+    for c in (c for o in outs for c in o.outputs):
+        assert c.finish_reason == "stop" and _valid(c.text), (c.finish_reason, c.text)
