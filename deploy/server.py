@@ -25,6 +25,7 @@ import asyncio
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ logger = logging.getLogger("m3serve.server")
 
 RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_KV_S = 1.0
+RETRY_AFTER_UNWIRED_S = 1.0  # a replica the router has not wired (again) yet: its watchdog does within ~1 s
 RETRY_AFTER_OOM_S = 1.0  # a step that ran out of memory: with less load beside it the request may fit
 SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
 KEEP_ANSWERS = 1024  # prefill answers kept for decode streams that have not come yet (fail_remote)
@@ -215,6 +217,9 @@ class EngineServer:
         self._export = None  # deploy.metrics_endpoint.ReplicaExport: this replica's series for the API's /metrics
         self._role = role
         self._index = index
+        # who this replica is: a restarted one (same name, new process) has a new id, and the router re-wires
+        # the KV pairs of a replica whose id changed (its pairs died with the old process)
+        self._instance = uuid.uuid4().hex[:12]
         self._engine = None  # workers.async_engine.AsyncEngine once loaded
         self._state = "loading"
         self._error: str | None = None
@@ -298,6 +303,7 @@ class EngineServer:
         return {
             "role": self._role,
             "replica": self._index,
+            "instance": self._instance,
             "state": self._state,
             "error": self._error,
             "ready": self._state == "ready",
@@ -448,6 +454,10 @@ class EngineServer:
         if self._engine is None:
             yield self._not_ready()
             return
+        if not self._wired(decode_group):
+            self._counters["rejected"] += 1
+            yield self._unwired(decode_group)
+            return
         from workers.async_engine import EngineDeadError, QueueFullError
         from workers.request import StepFailedError
 
@@ -526,7 +536,12 @@ class EngineServer:
         from the first attempt)."""
         if self._engine is None:
             return self._not_ready()
+        from workers.kv.agent import UnwiredGroupError
+
         rid = req.request_id
+        if not self._wired(prefill_group):
+            self._counters["rejected"] += 1
+            return self._unwired(prefill_group)
         if prefill_dp_rank is not None:
             from workers.kv.agent import TransferAgent
 
@@ -542,6 +557,9 @@ class EngineServer:
         try:
             self._engine.engine.validate_request(list(req.prompt_token_ids), req.params)
             pages, dp_rank = await self._engine.call(reserve)
+        except UnwiredGroupError:  # the router dropped that generation meanwhile (a re-wire): retryable
+            self._counters["rejected"] += 1
+            return self._unwired(prefill_group)
         except ValueError as e:
             self._counters["rejected"] += 1
             return EngineError(status=400, message=str(e), param=param_of(str(e)))
@@ -644,6 +662,17 @@ class EngineServer:
     def _mark_chunk(self, request_id: str, chunk: EngineChunk) -> None:
         self._serve_marks.append((time.time(), request_id, "chunk", sum(len(s.token_ids) for s in chunk.samples)))
 
+    def _wired(self, group: str) -> bool:
+        """Whether this engine has KV pairs with the remote group `group` (off the step thread: a dict read)."""
+        return any(kv.kv_wired(group) for kv in self._engine.engine.connectors)
+
+    def _unwired(self, group: str) -> EngineError:
+        """A request names a peer group this replica has no pairs with: this replica or its peer restarted and
+        the router has not re-wired them yet (it does on its own): retryable, not the client's fault."""
+        return EngineError(status=503, code="kv_unwired", retry_after=RETRY_AFTER_UNWIRED_S,
+                           message=f"{self._role} replica {self._index} has no KV pairs with {group!r} (a replica "
+                                   f"restarted; the router is re-wiring them): retry")
+
     def _require_engine(self):
         if self._engine is None:
             raise RuntimeError(f"engine {self._role}-{self._index} is {self._state}: {self._error or 'loading'}")
@@ -656,7 +685,7 @@ class EngineServer:
 
     async def snapshot(self) -> dict:
         """Engine stats plus this server's request counters (`started`, `finished`, `aborted`, `rejected`)."""
-        return {"stats": await self.stats(), "counters": dict(self._counters)}
+        return {"stats": await self.stats(), "counters": dict(self._counters), "instance": self._instance}
 
     async def pop_request_stats(self) -> list[RequestStats]:
         # The metrics reporter is the engine's one consumer of finished-request stats; read them from it.

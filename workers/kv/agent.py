@@ -15,6 +15,11 @@ from workers.kv.wire import KVHeader, Segment, plan_chunks
 from workers.stats import TransferStats
 
 
+class UnwiredGroupError(ValueError):
+    """A request names a remote group this shard has no pairs with (never wired, or dropped since: its peer
+    replica restarted and the router re-wires it under a new name). Not the client's fault: retryable."""
+
+
 class TransferAgent:
     """One shard's end of disaggregation: its pairs to the shards of remote groups and its per-request sends
     or receives. Every argument and result is a plain value, so a `ShardWorker` actor can host it and forward
@@ -150,7 +155,7 @@ class TransferAgent:
         names = self._groups.get(group)
         if names is None:
             hint = f"; it is split by dp rank: {self._dp_groups[group]}" if group in self._dp_groups else ""
-            raise ValueError(f"group: no pairs to {group!r} on this {self.role} shard (have "
+            raise UnwiredGroupError(f"group: no pairs to {group!r} on this {self.role} shard (have "
                              f"{list(self._groups)}){hint}")
         return names
 
@@ -252,4 +257,5 @@ class TransferAgent:
 
 
 __all__ = ["TransferConfig", "TransferState", "TransferResult", "Route", "plan_routes", "kv_heads_of_rank",
-           "KVHeader", "Segment", "plan_chunks", "KVSender", "KVReceiver", "FaultyChannel", "TransferAgent"]
+           "KVHeader", "Segment", "plan_chunks", "KVSender", "KVReceiver", "FaultyChannel", "TransferAgent",
+           "UnwiredGroupError"]

@@ -69,6 +69,10 @@ class KVConnector:
         self.marks: deque[tuple] = deque(maxlen=_MAX_MARKS)
         # decode: prefill group -> its per-prefill-dp-rank sub-groups (a prefill with attention DP, kv_listen)
         self._split: dict[str, list[str]] = {}
+        # the remote groups this engine has pairs with, by every name a request may give (a group and its dp
+        # sub-groups): the replica answers "not wired" before it starts a request that names another (its peer
+        # restarted and the router has not re-wired it yet), instead of failing it half way
+        self._wired: dict[str, set[str]] = {}
         self._transfer_stats: list[TransferStats] = []
 
     # ---- the step (no-ops without transfers) ------------------------------------------------------------
@@ -166,12 +170,16 @@ class KVConnector:
         rank q its entries). A request that prefill dp rank q computes is admitted under that sub-group;
         `kv_drop`, `kv_broken` and `kv_wait_ready` of `group` cover all of them."""
         if remote_dp == 1:
-            return [x for agent in self.agents for x in agent.listen(group, remote_tp)]
+            out = [x for agent in self.agents for x in agent.listen(group, remote_tp)]
+            self._wired[group] = {group}
+            return out
         self.kv_drop(group)  # a previous listen of this name (split or not)
         subs = [TransferAgent.dp_group(group, q) for q in range(remote_dp)]
         self._split[group] = subs
-        return [({**route, "src_dp": q}, address) for q, sub in enumerate(subs) for agent in self.agents
-                for route, address in agent.listen(sub, remote_tp)]
+        out = [({**route, "src_dp": q}, address) for q, sub in enumerate(subs) for agent in self.agents
+               for route, address in agent.listen(sub, remote_tp)]
+        self._wired[group] = {group, *subs}
+        return out
 
     def _family(self, group: str) -> list[str]:
         """The pair groups behind the name `group`: its prefill-dp sub-groups when split, else itself."""
@@ -185,6 +193,13 @@ class KVConnector:
                              f"(the decode side must listen with remote_dp=1)")
         for agent in self.agents:
             agent.connect(group, listened)
+        dps = {int(route["dp"]) for route, _address in listened if "dp" in route}
+        self._wired[group] = {group, *(TransferAgent.dp_group(group, d) for d in dps)}
+
+    def kv_wired(self, group: str) -> bool:
+        """Whether this engine has pairs with `group` (by its name or a dp sub-group's); a replica that
+        restarted has none until the router wires it again. Reads a dict only: safe off the step thread."""
+        return any(group in names for names in list(self._wired.values()))
 
     def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
         for g in [None] if group is None else self._family(group):
@@ -192,6 +207,7 @@ class KVConnector:
                 agent.wait_ready(timeout_s, g)
 
     def kv_drop(self, group: str) -> None:
+        self._wired.pop(group, None)
         for g in self._split.pop(group, [group]):
             for agent in self.agents:
                 agent.drop(g)
