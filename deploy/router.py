@@ -17,7 +17,8 @@ failed transfer frees the pages on both sides and ends the request with 503 `kv_
 `transfer.retry_prefill`, the router waits for the first attempt's outcome and, if it failed, runs the prefill
 once more under a new transfer id and keeps the first token). The KV pairs between every (prefill, decode)
 replica pair are opened by this router (decode listens, prefill connects) before the first request; a pair that
-broke is replaced by a new generation. Group names carry this router's id, so several routers never share (or
+broke is replaced by a new generation, and so is one whose end restarted (`deploy/wiring.py`: a watchdog asks the
+replicas who they are every second). Group names carry this router's id, so several routers never share (or
 tear down) a pair.
 
 The token stream does not pass through here for the ingress (every streamed item costs each process it crosses
@@ -41,6 +42,7 @@ from deploy.config import ServeConfig
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.server import Admitted, FirstToken, TransferOutcome
 from deploy.streaming import coalesce
+from deploy.wiring import WATCH_S, PairKey, ReplicaKey, Wiring
 from workers.stats import EngineStats
 
 logger = logging.getLogger("m3serve.router")
@@ -48,8 +50,7 @@ logger = logging.getLogger("m3serve.router")
 STATS_TTL_S = 0.5
 HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (its ingress died); see _sweep_held
 
-ReplicaKey = tuple[str, int]  # (role, index)
-PairKey = tuple[ReplicaKey, ReplicaKey]  # (prefill replica, decode replica)
+RETRY_AFTER_UNWIRED_S = 2.0  # no wired pair: a replica restarts (the watchdog wires it once it is ready)
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -70,8 +71,8 @@ class Router:
         self._refreshing: asyncio.Task | None = None
         # disaggregation
         self._id = uuid.uuid4().hex[:6]
-        self._pairs: dict[PairKey, int] = {}  # open pair generation per (prefill, decode) replica pair
-        self._pair_lock: asyncio.Lock | None = None
+        self._wiring = Wiring(self._engines, self._id, config.prefill.tp, config.prefill.dp)
+        self._watchdog: asyncio.Task | None = None
         self._touched: dict[str, list[tuple[ReplicaKey, str]]] = {}  # request id -> (replica, engine id) to abort
         self._retry_prefill = config.transfer.retry_prefill
         self._admit_wait_s = config.transfer.admit_wait_s
@@ -84,16 +85,16 @@ class Router:
     def _candidates(self, role: str) -> list[ReplicaKey]:
         return [key for key in self._engines if key[0] == role]
 
-    def _pick(self, role: str) -> ReplicaKey:
-        """Least loaded replica of `role`: fewest requests in flight from here, then the shortest waiting queue
-        (another router's load shows there), then the least recently chosen."""
+    def _pick(self, role: str, among: list[ReplicaKey] | None = None) -> ReplicaKey:
+        """Least loaded replica of `role` (of `among`, when given): fewest requests in flight from here, then
+        the shortest waiting queue (another router's load shows there), then the least recently chosen."""
         self._maybe_refresh_stats()
 
         def load(key: ReplicaKey) -> tuple[int, int, int]:
             stats = self._stats.get(key)
             return self._inflight[key], stats.num_waiting if stats else 0, self._last_used[key]
 
-        key = min(self._candidates(role), key=load)
+        key = min(among or self._candidates(role), key=load)
         self._picks += 1
         self._last_used[key] = self._picks
         return key
@@ -222,56 +223,53 @@ class Router:
 
     # -- disaggregation -------------------------------------------------------------------------------------
     def _group(self, key: ReplicaKey, gen: int) -> str:
-        """The name one side of a pair knows the other replica's shards by."""
-        return f"{key[0]}-{key[1]}#{self._id}.{gen}"
+        return self._wiring.group(key, gen)
+
+    def _start_watchdog(self) -> None:
+        """Disaggregated: from the first call on, check every `WATCH_S` who the engine replicas are and re-wire
+        the pairs of one that restarted (deploy/wiring.py), traffic or not."""
+        if not self._config.disaggregate or (self._watchdog is not None and not self._watchdog.done()):
+            return
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self._wiring.probe()
+                for pair, err in await self._wiring.ensure():
+                    logger.warning("opening KV pair %s -> %s failed: %r", *pair, err)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.exception("KV pair watchdog")
+            await asyncio.sleep(WATCH_S)
 
     async def _ensure_pairs(self) -> None:
-        """Open the KV pairs of every (prefill, decode) replica pair that has none yet."""
-        want = [(p, d) for p in self._candidates("prefill") for d in self._candidates("decode")]
-        if all(k in self._pairs for k in want):
-            return
-        if self._pair_lock is None:
-            self._pair_lock = asyncio.Lock()
-        async with self._pair_lock:
-            missing = [k for k in want if k not in self._pairs]
-            await asyncio.gather(*(self._open_pair(p, d, 0) for p, d in missing))
+        """Open the KV pairs that are missing or whose end restarted (those whose ends are ready)."""
+        for pair, err in await self._wiring.ensure():
+            logger.warning("opening KV pair %s -> %s failed: %r", *pair, err)
 
-    async def _open_pair(self, p: ReplicaKey, d: ReplicaKey, gen: int) -> None:
-        listened = await self._engines[d].kv_listen.remote(self._group(p, gen), self._config.prefill.tp,
-                                                           self._config.prefill.dp)
-        await self._engines[p].kv_connect.remote(self._group(d, gen), listened)
-        self._pairs[(p, d)] = gen
-        logger.info("KV pair %s -> %s open (generation %d)", p, d, gen)
+    async def _rewire_now(self) -> None:
+        """A replica answered `kv_unwired` (it or its peer restarted, and the watchdog has not seen it yet)."""
+        await self._wiring.probe()
+        await self._ensure_pairs()
 
     async def _repair(self, p: ReplicaKey, d: ReplicaKey) -> None:
         """After a failed transfer: if either end of the pair broke, open the next generation, drop the old."""
-        gen = self._pairs.get((p, d))
-        if gen is None:
-            return
-        broken = await asyncio.gather(self._engines[p].kv_broken.remote(self._group(d, gen)),
-                                      self._engines[d].kv_broken.remote(self._group(p, gen)),
-                                      return_exceptions=True)
-        if not any(broken):
-            return  # refused or aborted transfer: the pair is still in step
-        async with self._pair_lock:
-            if self._pairs.get((p, d)) != gen:
-                return  # someone repaired it already
-            logger.warning("KV pair %s -> %s broken (%s); opening generation %d", p, d, broken, gen + 1)
-            await self._open_pair(p, d, gen + 1)
-            await asyncio.gather(self._engines[p].kv_drop.remote(self._group(d, gen)),
-                                 self._engines[d].kv_drop.remote(self._group(p, gen)), return_exceptions=True)
+        await self._wiring.repair(p, d)
 
-    def _pick_decode_order(self) -> list[ReplicaKey]:
-        """Decode replicas, best first: fewest requests in flight from here, then most free pages."""
+    def _pick_decode_order(self, p: ReplicaKey) -> list[ReplicaKey]:
+        """Decode replicas wired to prefill replica `p`, best first: fewest requests in flight from here, then
+        most free pages."""
         self._maybe_refresh_stats()
 
         def load(key: ReplicaKey) -> tuple[int, int, int]:
             stats = self._stats.get(key)
             return self._inflight[key], -(stats.num_pages_free if stats else 0), self._last_used[key]
 
-        order = sorted(self._candidates("decode"), key=load)
-        self._picks += 1
-        self._last_used[order[0]] = self._picks
+        order = sorted((d for d in self._candidates("decode") if self._wiring.generation(p, d) is not None),
+                       key=load)
+        if order:
+            self._picks += 1
+            self._last_used[order[0]] = self._picks
         return order
 
     async def _admit(self, req: EngineRequest, p: ReplicaKey, p_rank: int | None,
@@ -280,11 +278,18 @@ class Router:
         prefill sends the KV to: the replica's, or with attention DP the admitting dp rank's sub-group).
         `p_rank`: the prefill replica's dp rank that runs it (attention DP), whose shards the decode expects.
         `first_from_kv`: the decode starts when the KV lands, with the first token from the KV header.
-        While every replica is full, it tries again (backing off 10 -> 200 ms) until `transfer.admit_wait_s`."""
+        While every replica is full, it tries again (backing off 10 -> 200 ms) until `transfer.admit_wait_s`.
+        A replica that answers `kv_unwired` (it restarted, or `p` did, before the watchdog saw it) makes the router
+        re-wire now and try once more."""
         deadline = time.monotonic() + self._admit_wait_s
         delay = 0.01
+        rewired = False
         while True:
             admitted = await self._admit_once(req, p, p_rank, first_from_kv)
+            if isinstance(admitted, EngineError) and admitted.code == "kv_unwired" and not rewired:
+                rewired = True
+                await self._rewire_now()
+                continue
             if not (isinstance(admitted, EngineError) and admitted.code == "kv_capacity"):
                 return admitted
             if time.monotonic() + delay > deadline:
@@ -296,8 +301,10 @@ class Router:
                           first_from_kv: bool) -> tuple[ReplicaKey, str] | EngineError:
         """One pass over the decode replicas, best first (see `_admit`)."""
         full = None
-        for d in self._pick_decode_order():
-            gen = self._pairs[(p, d)]
+        for d in self._pick_decode_order(p):
+            gen = self._wiring.generation(p, d)
+            if gen is None:  # dropped since the order was made (a re-wire)
+                continue
             try:
                 res = await self._engines[d].admit.remote(req, self._group(p, gen), req.request_id,
                                                           self._group(d, gen), p_rank, first_from_kv)
@@ -307,13 +314,14 @@ class Router:
                 continue
             if isinstance(res, Admitted):
                 return d, res.send_to or self._group(d, gen)
-            if res.code != "kv_capacity":
+            if res.code not in ("kv_capacity", "kv_unwired"):
                 return res
-            full = res
+            if full is None or full.code != "kv_capacity":
+                full = res
         if full is not None and full.code == "kv_capacity":
             return EngineError(status=503, code="kv_capacity", retry_after=full.retry_after,
                                message=f"no decode replica has room for this request's KV pages now ({full.message})")
-        return full or EngineError(status=503, message="no decode replica", code="engine_unavailable")
+        return full or _unwired_error()
 
     async def _generate_disaggregated(self, req: EngineRequest,
                                       direct: bool = False) -> AsyncIterator[EngineEvent | Redirect]:
@@ -322,12 +330,18 @@ class Router:
             yield EngineError(status=400, param="n",
                               message=f"n: disaggregated serving runs one sample per request, got n={req.params.n}")
             return
+        self._start_watchdog()
         try:
             await self._ensure_pairs()
         except Exception as e:
             logger.exception("opening KV pairs failed")
             yield EngineError(status=503, message=f"KV transfer pairs could not be opened: {e}",
                               code="kv_transfer_unavailable", retry_after=5.0)
+            return
+        prefills = [p for p in self._candidates("prefill")
+                    if any(self._wiring.generation(p, d) is not None for d in self._candidates("decode"))]
+        if not prefills:  # a replica is down or restarting: nothing can carry a request's KV now
+            yield _unwired_error()
             return
         # The ingress's stream (`direct`) opens on the decode replica before the prefill runs and carries the first
         # token too (it comes in the KV header): no relay through here, no stream to open after it. Not with a
@@ -345,7 +359,7 @@ class Router:
             for attempt in range(attempts):
                 sub = req if attempt == 0 else dataclasses.replace(req, request_id=f"{rid}#retry{attempt}")
                 tid = sub.request_id
-                p = self._pick("prefill")
+                p = self._pick("prefill", prefills)
                 touched.append((p, tid))  # from here an abort must reach it (a placement is held there)
                 p_rank = await self._place(p, sub)
                 if isinstance(p_rank, EngineError):
@@ -378,6 +392,7 @@ class Router:
                 streams.append(pstream)
                 event = await _next_event(pstream, f"prefill replica {p[1]}")
                 if isinstance(event, EngineError):
+                    self._rewire_if_unwired(event)
                     await self._abort_on(d, tid)
                     if p_rank is not None:  # refused before it was added (queue full): its placement is held
                         await self._abort_on(p, tid)
@@ -455,6 +470,7 @@ class Router:
                     finally:
                         self._prefilling.pop(rid, None)
                     if isinstance(event, EngineError) or event.finished:
+                        self._rewire_if_unwired(event)
                         if isinstance(event, EngineError) and placed:
                             await self._abort_on(p, tid)  # refused before it was added: let the placement go
                         await self._fail_decode(d, tid, "the prefill answered without handing off", event)
@@ -475,6 +491,14 @@ class Router:
         task = asyncio.get_running_loop().create_task(watch())
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
+
+    def _rewire_if_unwired(self, event: EngineEvent) -> None:
+        """A prefill replica answered `kv_unwired` (it restarted before the watchdog saw it): re-wire now, in the
+        background (this request has its answer; the next ones find the pair)."""
+        if isinstance(event, EngineError) and event.code == "kv_unwired":
+            task = asyncio.get_running_loop().create_task(self._rewire_now())
+            self._watching.add(task)
+            task.add_done_callback(self._watching.discard)
 
     async def _fail_decode(self, d: ReplicaKey, tid: str, why: str, answer: EngineEvent | None = None) -> None:
         try:
@@ -506,13 +530,14 @@ class Router:
 
     async def pairs(self) -> dict[str, int]:
         """Open KV pairs: 'prefill-i->decode-j' -> generation."""
-        return {f"{p[0]}-{p[1]}->{d[0]}-{d[1]}": g for (p, d), g in self._pairs.items()}
+        return self._wiring.as_dict()
 
     # -- state ----------------------------------------------------------------------------------------------
     async def ready(self) -> dict:
-        """`{"ready": bool, "engines": [per-replica load state]}`; an unreachable replica counts as not ready."""
+        """`{"ready": bool, "engines": [per-replica load state]}`; an unreachable replica counts as not ready, and
+        so does a disaggregated app while a KV pair is not wired (an end restarted: re-wired here if it can be)."""
         keys = list(self._engines)
-        results = await asyncio.gather(*(self._engines[k].ready.remote() for k in keys), return_exceptions=True)
+        results = await self._wiring.probe()
         engines = []
         for (role, idx), res in zip(keys, results):
             if isinstance(res, BaseException):
@@ -521,11 +546,15 @@ class Router:
             engines.append(res)
         ready = all(e["ready"] for e in engines)
         if ready and self._config.disaggregate:
-            try:
-                await self._ensure_pairs()
-            except Exception as e:
-                logger.exception("opening KV pairs failed")
-                return {"ready": False, "engines": engines, "error": f"KV pairs: {e}"}
+            self._start_watchdog()
+            failed = await self._wiring.ensure()
+            if failed:
+                pair, err = failed[0]
+                logger.warning("opening KV pair %s -> %s failed: %r", *pair, err)
+                return {"ready": False, "engines": engines, "error": f"KV pairs: {err}"}
+            if not self._wiring.wired:
+                return {"ready": False, "engines": engines,
+                        "error": f"KV pairs not wired: {self._wiring.stale()}"}
         return {"ready": ready, "engines": engines}
 
     async def stats(self) -> list[dict]:
@@ -541,6 +570,12 @@ class Router:
         results = await asyncio.gather(*(self._engines[k].pop_request_stats.remote() for k in keys),
                                        return_exceptions=True)
         return [s for res in results if not isinstance(res, BaseException) for s in res]
+
+
+def _unwired_error() -> EngineError:
+    return EngineError(status=503, code="kv_unwired", retry_after=RETRY_AFTER_UNWIRED_S,
+                       message="no prefill and decode replica are wired for KV transfer now (a replica is down or "
+                               "restarting; the router wires it again once it is ready): retry")
 
 
 async def _next_event(stream, what: str):
