@@ -397,9 +397,10 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except ApiError as e:
         yield sse_event(e.body())
         yield SSE_DONE
-    except Exception as e:
+    except Exception as e:  # an engine replica (or the router) died mid-stream: retryable, as without streaming
         logger.error("stream failed: %r", e)
-        yield sse_event(ApiError(500, f"the stream failed ({type(e).__name__})", code="internal_error").body())
+        yield sse_event(ApiError(503, f"engine failed mid-request ({type(e).__name__}); retry",
+                                 code="engine_unavailable").body())
         yield SSE_DONE
 
 
