@@ -74,6 +74,12 @@ class DrillRouter(Router.func_or_class):
         super().__init__(*args, **kwargs)
         self._faults: dict[str, str] = {}
 
+    async def pid(self) -> int:
+        """This replica's process id (a test kills it as `kill -9` would)."""
+        import os
+
+        return os.getpid()
+
     async def inject_faults(self, faults: dict[str, str], retry_prefill: bool | None = None,
                             admit_wait_s: float | None = None) -> None:
         """Faults by request id (`FAULT_KINDS`), the retry switch and the admission wait."""
