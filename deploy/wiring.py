@@ -104,6 +104,8 @@ class Wiring:
         if not self.stale():
             return []
         async with self._locked():
+            if any(k not in self._instances for pair in self.stale() for k in pair):
+                await self.probe()  # a first call before any probe (the watchdog's or /health's)
             stale = self.stale()
             for pair in stale:
                 if pair in self._gens:
