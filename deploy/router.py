@@ -42,7 +42,7 @@ from deploy.config import ServeConfig
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.server import Admitted, FirstToken, TransferOutcome
 from deploy.streaming import coalesce
-from deploy.wiring import WATCH_S, PairKey, ReplicaKey, Wiring
+from deploy.wiring import WATCH_S, ReplicaKey, Wiring
 from workers.stats import EngineStats
 
 logger = logging.getLogger("m3serve.router")
