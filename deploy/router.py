@@ -242,9 +242,9 @@ class Router:
                 logger.exception("KV pair watchdog")
             await asyncio.sleep(WATCH_S)
 
-    async def _ensure_pairs(self) -> None:
+    async def _ensure_pairs(self, wait: bool = True) -> None:
         """Open the KV pairs that are missing or whose end restarted (those whose ends are ready)."""
-        for pair, err in await self._wiring.ensure():
+        for pair, err in await self._wiring.ensure(wait):
             logger.warning("opening KV pair %s -> %s failed: %r", *pair, err)
 
     async def _rewire_now(self) -> None:
@@ -332,7 +332,7 @@ class Router:
             return
         self._start_watchdog()
         try:
-            await self._ensure_pairs()
+            await self._ensure_pairs(wait=bool(self._wiring.want()) and not self._wiring.as_dict())
         except Exception as e:
             logger.exception("opening KV pairs failed")
             yield EngineError(status=503, message=f"KV transfer pairs could not be opened: {e}",

@@ -98,10 +98,11 @@ class Wiring:
             self._lock = asyncio.Lock()
         return self._lock
 
-    async def ensure(self) -> list[tuple[PairKey, BaseException]]:
+    async def ensure(self, wait: bool = True) -> list[tuple[PairKey, BaseException]]:
         """(Re-)open every stale pair whose two ends are ready; drop those whose end went away. Returns the
-        openings that failed (the pair stays unwired; the next check tries again)."""
-        if not self.stale():
+        openings that failed (the pair stays unwired; the next check tries again). `wait=False` (a request):
+        if a check is running already, go on with the pairs open now rather than wait for it."""
+        if not self.stale() or (not wait and self._locked().locked()):
             return []
         async with self._locked():
             if any(k not in self._instances for pair in self.stale() for k in pair):
@@ -134,9 +135,17 @@ class Wiring:
         """Forget an open pair and close it on both ends (an end that is gone has nothing to close)."""
         p, d = pair
         gen = self._gens.pop(pair)
-        self._ends.pop(pair)
+        ends = self._ends.pop(pair)
         logger.warning("KV pair %s -> %s (generation %d) dropped: an end restarted or went away", p, d, gen)
-        await asyncio.gather(self._drop_on(p, self.group(d, gen)), self._drop_on(d, self.group(p, gen)))
+        await self._close(pair, gen, ends)
+
+    async def _close(self, pair: PairKey, gen: int, ends: tuple[str, str]) -> None:
+        """Close generation `gen` of `pair` where the process that opened it still runs: a restarted end has no
+        such pair, and a call to a replica that is restarting would wait until it is up."""
+        p, d = pair
+        await asyncio.gather(*(self._drop_on(key, self.group(other, gen))
+                               for key, other, was in ((p, d, ends[0]), (d, p, ends[1]))
+                               if self._instances.get(key) == was))
 
     async def _drop_on(self, key: ReplicaKey, group: str) -> None:
         try:
@@ -162,6 +171,7 @@ class Wiring:
             logger.warning("KV pair %s -> %s broken (%s); replacing generation %d", p, d, broken, gen)
             if any(isinstance(b, BaseException) for b in broken):  # an end is unreachable: ask who is there
                 await self.probe()
+            ends = self._ends[pair]
             try:
                 if all(self._instances.get(k) for k in pair):
                     await self._open(p, d)
@@ -170,4 +180,4 @@ class Wiring:
             if self._gens.get(pair) == gen:  # not replaced: unwired until the watchdog opens it
                 self._gens.pop(pair)
                 self._ends.pop(pair)
-            await asyncio.gather(self._drop_on(p, self.group(d, gen)), self._drop_on(d, self.group(p, gen)))
+            await self._close(pair, gen, ends)
