@@ -126,52 +126,6 @@ def run_sdpa(c, expand: bool):
     return call
 
 
-def run_split(c, sel, launch=None):
-    from kernels.prefill_sparse_split import prefill_sparse_split
-
-    return prefill_sparse_split(c["q"], c["k"], c["v"], c["table"], c["row_seq"], c["pos"], sel, D ** -0.5,
-                                num_requests=1, launch=launch)
-
-
-SPLIT_SWEEP = [{"pairs": w, "block_n": bn, "num_warps": nw, "num_stages": st}
-               for w in (4, 8) for bn in (64, 128) for nw in (4, 8) for st in (1, 2)]
-
-
-def split_phase(args, deadline: float) -> list[dict]:
-    """The block-major sparse kernel (kernels/prefill_sparse_split.py) beside the shipped token-major one, on the
-    table's cases: error vs the reference at the check shape, its launch sweep, the work list's own share."""
-    from kernels.attention import paged_attention_ref
-    from kernels.prefill_sparse_split import work_list
-
-    rows = []
-    for t, ctx in args.cases:
-        c = make_case(t, ctx, seed=3)
-        sel = run_index(c)
-        row = {"T": t, "ctx": ctx, "sparse_floor": floors(t, ctx)["sparse_floor"], "peer": PEER.get((t, ctx), (None,) * 3)[1]}
-        if t * ctx <= 2048 * 8192:
-            want = paged_attention_ref(c["q"], c["k"], c["v"], c["table"], c["row_seq"], c["pos"], D ** -0.5, sel)
-            row["split_rel"] = rel(run_split(c, sel), want)
-            row["sparse_rel"] = rel(run_attn(c, sel), want)
-            del want
-        row["sparse"] = event_ms(lambda: run_attn(c, sel), args.reps)
-        row["work_list"] = event_ms(lambda: work_list(sel, c["row_seq"], c["table"].shape[1], 1, 4), args.reps)
-        row["split"] = {}
-        for launch in SPLIT_SWEEP:
-            if time.monotonic() > deadline:
-                row["cut_short"] = True
-                break
-            try:
-                row["split"][json.dumps(launch)] = event_ms(lambda: run_split(c, sel, launch), max(5, args.reps // 2))
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
-                row["split"][json.dumps(launch)] = f"failed: {type(exc).__name__}: {str(exc)[:80]}"
-        row["split_best"] = _best(row["split"])
-        print("split", json.dumps({k: v for k, v in row.items() if k != "split"}), flush=True)
-        rows.append(row)
-        del c, sel
-        torch.cuda.empty_cache()
-    return rows
-
-
 def floors(t: int, ctx: int) -> dict:
     prefix = ctx - t
     return {"sparse_floor": 4 * t * HQ * D * min(ctx, 2048) / PEAK * 1e3,
@@ -399,8 +353,7 @@ def main(argv=None) -> int:
     phases = [("check", lambda: check_phase(args)),
               ("sweep", lambda: sweep_phase(args, start + args.budget_s)),
               ("table", lambda: table_phase(args, result.get("sweep", []))),
-              ("moe", lambda: moe_phase(args, start + args.budget_s + 60)),
-              ("split", lambda: split_phase(args, start + args.budget_s))]
+              ("moe", lambda: moe_phase(args, start + args.budget_s + 60))]
     for name, fn in phases:
         if name not in args.phases:
             continue
