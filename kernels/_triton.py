@@ -7,8 +7,13 @@ triton is first imported. CPU tests therefore set it at the top of their module 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 
 def use_triton(device: torch.device, backend: str | None) -> bool:
     """backend None: Triton on CUDA, the torch reference elsewhere; "triton" / "ref" force one."""
@@ -55,6 +60,50 @@ def arrival_counters(owner: str, n: int, device: torch.device,
             _RETIRED_COUNTERS.append(buf)
         buf = _ARRIVAL_COUNTERS[key] = torch.zeros(max(n, min_size), dtype=torch.int32, device=device)
     return buf
+
+
+# Programmatic dependent launch (Hopper+): a decode kernel launched with it may start while the kernel before it
+# drains (its programs wait in `pdl_enter` until that kernel is done and its writes are visible), which hides
+# the launch gap between the small kernels of a decode step. PDL["enabled"] None: on wherever the GPU has it
+# unless the environment sets M3SERVE_PDL=0; True/False force it. It pays at small batches only (H200, graph of
+# many calls, us with / without, docs/benchmarks.md "PDL"): index + top-k 5.87 / 7.17 at B = 1, 14.4 / 16.1 at
+# 16, equal at 64, 525 / 505 at 64 x 131k; sparse attention 6.67 / 7.95 at B = 1 but 30.2 / 26.4 at 16 (its
+# folded merge, the last split of a row merging, then shares the SMs with the next call's waiting programs).
+# So each launcher passes its own row limit (PDL_MAX_ROWS).
+PDL: dict[str, bool | None] = {"enabled": None}
+PDL_MAX_ROWS = {"attention": 4, "index": 16}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with programmatic dependent launch (never on CPU / the interpreter)."""
+    if device.type != "cuda":
+        return False
+    on = PDL["enabled"]
+    if on is None:
+        on = os.environ.get("M3SERVE_PDL", "1") != "0"
+    return bool(on) and _cuda_capability(device.index if device.index is not None
+                                         else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_launch(device: torch.device, kind: str, rows: int) -> tuple[dict, bool]:
+    """(launch options, PDL constexpr) for a kernel of `kind` (PDL_MAX_ROWS) over `rows` decode rows that starts
+    with `pdl_enter(PDL)`."""
+    on = rows <= PDL_MAX_ROWS[kind] and use_pdl(device)
+    return ({"launch_pdl": True} if on else {}), on
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    # First thing in a PDL-launched kernel: wait for the kernel before it (its writes become visible), then let
+    # the next one launch. Waiting first keeps every read and write of this kernel after its predecessor's.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels._paged import gather_context, prefill_layout, request_rows
-from kernels._triton import arrival_counters, next_pow2, num_sms, runnable, use_triton
+from kernels._triton import arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, use_triton
 from kernels.prefill_attention import prefill_attention
 
 
@@ -84,7 +84,8 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
                         BLOCK_N: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
                         ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRELOAD: tl.constexpr,
-                        FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr):
+                        FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -192,8 +193,9 @@ def _merge_group(po_row, pl_row, o_row, heads, ok, po_st_h, po_st_s, pl_st_h, o_
 
 @triton.jit
 def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h, o_st_n, o_st_h,
-                  num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+                  num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # program (n, h): combine the split partials of one row and query head by their log-sum-exp (base 2)
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -279,6 +281,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         fold = sparse and splits <= MAX_FOLD_SPLITS
     counters = arrival_counters("attention", n * hkv, q.device, 4096) if fold and not one else None
     pre = ATTN_OPTS["preload"] if preload is None else preload
+    pdl_opts, pdl = pdl_launch(q.device, "attention", n)
     if pre is None:
         pre = splits >= max_tiles
     runnable(_decode_attn_kernel, q.device)[(n, hkv, splits)](
@@ -289,11 +292,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         float(scale) * _LOG2E, splits, counters if counters is not None else plse,
         G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
         SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, PRELOAD=bool(pre and sparse),
-        FOLD_MERGE=counters is not None, BLOCK_S=max(2, next_pow2(splits)), **launch)
+        FOLD_MERGE=counters is not None, BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, **launch, **pdl_opts)
     if not one and counters is None:
         runnable(_merge_kernel, q.device)[(n, hq)](
             po, plse, out, *po_st, *pl_st, out.stride(0), out.stride(1), splits,
-            D=d, BLOCK_S=max(2, next_pow2(splits)), num_warps=4)
+            D=d, BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, num_warps=4, **pdl_opts)
     return out
 
 

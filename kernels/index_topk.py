@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._paged import gather_context, prefill_layout, request_rows
-from kernels._triton import arrival_counters, next_pow2, num_sms, runnable, use_triton
+from kernels._triton import arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, use_triton
 from kernels.prefill_index import prefill_index_topk
 
 
@@ -118,8 +118,9 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
                          HI: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr,
                          DOT_FP32: tl.constexpr, FUSED: tl.constexpr, TOPK: tl.constexpr,
                          BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HP: tl.constexpr):
+                         HP: tl.constexpr, PDL: tl.constexpr):
     # program (n, s): decode row n, blocks s, s + S, ... of its request; writes sc[n, :, b] for those blocks
+    pdl_enter(PDL)
     n = tl.program_id(0)
     s = tl.program_id(1)
     req = tl.load(row_seq_ptr + n).to(tl.int64)
@@ -156,8 +157,9 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
 @triton.jit
 def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks, num_heads,
                         PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HP: tl.constexpr, BLOCK_J: tl.constexpr):
+                        HP: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     # program (n, hb): the top-k blocks of decode row n for index heads hb*HP, ..., hb*HP + HP - 1
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HP + tl.arange(0, HP)
     own = tl.load(pos_ptr + n).to(tl.int64) // PS
@@ -167,9 +169,11 @@ def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, ou
 
 @triton.jit
 def _select_rounds_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks,
-                          PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr):
+                          PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
     # top-k by TOPK serial arg-max rounds (ties to the lowest index): O(k * nb), for long rows where the rank
     # selection's O(nb^2) compares cost more than the rounds' latency
+    pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.load(pos_ptr + n).to(tl.int64)
@@ -230,6 +234,7 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
     out = select_into if fused else scores
     block_nb = max(16, next_pow2(max_pages))
     hp = next_pow2(hi)
+    pdl_opts, pdl = pdl_launch(q_idx.device, "index", n)
     runnable(_index_scores_kernel, q_idx.device)[(n, splits)](
         q_idx, index_k_cache, page_tables, row_seq, positions, scores,
         q_idx.stride(0), q_idx.stride(1), index_k_cache.stride(0), index_k_cache.stride(1), page_tables.stride(0),
@@ -238,7 +243,7 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
         local_blocks,
         HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, FUSED=fused, TOPK=max(topk, 1),
         BLOCK_NB=block_nb if fused else 16, BLOCK_J=_rank_tiles(hp, block_nb) if fused else 1,
-        BLOCK_K=max(16, next_pow2(topk)), HP=hp, **SCORE_LAUNCH)
+        BLOCK_K=max(16, next_pow2(topk)), HP=hp, PDL=pdl, **SCORE_LAUNCH, **pdl_opts)
 
 
 def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=None):
@@ -247,20 +252,21 @@ def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=N
     block_nb = max(16, next_pow2(max_pages))
     block_k = max(16, next_pow2(topk))
     mode = mode or SELECT["mode"]
+    pdl_opts, pdl = pdl_launch(scores.device, "index", n)
     if mode == "auto":
         mode = "rank" if block_nb <= RANK_MAX_BLOCKS else "rounds"
     if mode == "rounds":
         # one warp while the row fits in a few registers per lane: the rounds are then shuffles only
         runnable(_select_rounds_kernel, scores.device)[(n, hi)](
             scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
-            PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k,
-            num_warps=TOPK_LAUNCH.get("num_warps") or (1 if block_nb <= 256 else 4))
+            PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, PDL=pdl,
+            num_warps=TOPK_LAUNCH.get("num_warps") or (1 if block_nb <= 256 else 4), **pdl_opts)
         return
     hp = min(next_pow2(hi), SELECT["heads"])
     runnable(_select_topk_kernel, scores.device)[(n, -(-hi // hp))](
         scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks, hi,
         PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, HP=hp, BLOCK_J=_rank_tiles(hp, block_nb),
-        num_warps=TOPK_LAUNCH.get("num_warps") or 4)
+        PDL=pdl, num_warps=TOPK_LAUNCH.get("num_warps") or 4, **pdl_opts)
 
 
 def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
