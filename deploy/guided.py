@@ -10,8 +10,9 @@ A forced tool call is an xgrammar structural tag for MiniMax-M3's syntax (../sha
 `NS<tool_call>\\n`, one `NS<invoke name="F">` whose arguments are the tool's JSON schema written in M3's
 namespace XML (xgrammar's `minimax_m3_xml` style: typed scalars, nested elements, `NS<item>` lists), `NS</invoke>\\n`,
 `NS</tool_call>`, then EOS. "required" lets the model pick among all offered tools, a named choice allows only
-that one. One call per forced turn: the model may not write free text first, and a random or confused model
-cannot loop over calls until max_tokens.
+that one. One call per forced turn, unless the request says `parallel_tool_calls: true` with "required": then
+one to `MAX_PARALLEL_CALLS` invokes in the one wrapper (the bound keeps a random or confused model from looping
+over calls until max_tokens). The model may never write free text first.
 
 Reasoning: when the rendered prompt leaves the model inside `<mm:think>` (thinking on), every constraint is
 preceded by a forced `</mm:think>`: a constrained answer skips its reasoning rather than leave the grammar's
@@ -29,6 +30,9 @@ from workers.structured_spec import MAX_JSON_WHITESPACE, GrammarError, GrammarSp
 THINK_END = "</mm:think>"
 # Whitespace between XML elements of a forced call's arguments (the JSON default is workers.structured's 16).
 MAX_XML_WHITESPACE = 1
+# Most invokes in one forced wrapper when parallel calls are allowed: agents fan out to a handful of tools at once;
+# without a bound a model that keeps choosing "another call" only stops at max_tokens, with a call cut in half.
+MAX_PARALLEL_CALLS = 8
 
 
 def request_spec(body: Any) -> GrammarSpec | None:
@@ -101,13 +105,17 @@ def forced_tools(tools: list[dict] | None, tool_choice: Any) -> list[dict] | Non
     return named[:1]
 
 
-def tool_call_spec(tools: list[dict]) -> GrammarSpec:
-    """One call to one of `tools` (OpenAI tool dicts) in M3's syntax, as an xgrammar structural tag."""
+def tool_call_spec(tools: list[dict], *, parallel: bool = False) -> GrammarSpec:
+    """One call to one of `tools` (OpenAI tool dicts) in M3's syntax, as an xgrammar structural tag; `parallel`:
+    one to MAX_PARALLEL_CALLS calls, each to any of them, in the one `NS<tool_call>` wrapper (M3 writes parallel
+    calls that way: invokes back to back, each ending with a newline)."""
     invokes = [{"type": "tag", "begin": f'{NS}<invoke name="{t["function"]["name"]}">',
                 "content": {"type": "json_schema", "json_schema": _parameters(t), "style": "minimax_m3_xml",
                             "max_whitespace_cnt": MAX_XML_WHITESPACE},
                 "end": f"{NS}</invoke>\n"} for t in tools]
     body = invokes[0] if len(invokes) == 1 else {"type": "or", "elements": invokes}
+    if parallel:
+        body = {"type": "repeat", "min": 1, "max": MAX_PARALLEL_CALLS, "content": body}
     call = {"type": "tag", "begin": f"{NS}<tool_call>\n", "content": body, "end": f"{NS}</tool_call>"}
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": call}, source="tools")
 
@@ -143,7 +151,9 @@ def chat_spec(body: Any, tools: list[dict] | None, starts_in_reasoning: bool) ->
     if forced is not None:
         if spec is not None:
             raise ChatRequestError("tool_choice", f"a forced tool call cannot be combined with {spec.source}")
-        spec = tool_call_spec(forced)
+        # parallel calls only where the client asked for them (the OpenAI default, true, is not assumed: a
+        # forced turn stays one call unless `parallel_tool_calls: true` says the client takes several)
+        spec = tool_call_spec(forced, parallel=body.tool_choice == "required" and body.parallel_tool_calls is True)
     if spec is not None and starts_in_reasoning:
         spec = after_reasoning(spec)
     return spec
