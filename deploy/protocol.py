@@ -215,7 +215,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True  # vLLM extra: render the assistant prefix after the last message
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # accepted; the model decides how many calls it writes
+    # auto: the model decides how many calls it writes; with tool_choice "required", an explicit true allows 1-8
+    # forced calls (left out or false: exactly one, docs/tools.md "Forced calls")
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": true}
 
 
