@@ -17,11 +17,14 @@ chain with no host sync (the ep = 1 block is CUDA-graph capturable), on CPU the 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused_moe import MoEConfig, fused_moe
+from kernels.router import router_select
 from msa.config import M3Config
 from msa.layers import swiglu_oai_packed
 from msa.linear import (ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read,
@@ -57,14 +60,15 @@ class Router(nn.Module):
         # kept in fp32 whatever the model dtype (the hub checkpoint stores them in fp32)
         self.weight = new_param((e, config.hidden_size), torch.float32, device, replicated_loader)
         self.e_score_correction_bias = new_param((e,), torch.float32, device, replicated_loader)
+        # None: the fused selection kernel on CUDA (M3SERVE_FUSED_ROUTER=0 in the environment: torch's); "ref" /
+        # "triton" force one
+        self.backend: str | None = "ref" if os.environ.get("M3SERVE_FUSED_ROUTER") == "0" else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight))
-        _, ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1)
-        weights = scores.gather(1, ids)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.scaling
-        return ids, weights
+        """x [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32). The GEMM is torch's; the selection one
+        kernel on CUDA (kernels/router.py, `backend` None), the torch reference elsewhere ("ref" forces it)."""
+        logits = F.linear(x.float(), self.weight)
+        return router_select(logits, self.e_score_correction_bias, self.top_k, self.scaling, backend=self.backend)
 
 
 class Experts(nn.Module):
