@@ -60,13 +60,14 @@ class Router(nn.Module):
         # kept in fp32 whatever the model dtype (the hub checkpoint stores them in fp32)
         self.weight = new_param((e, config.hidden_size), torch.float32, device, replicated_loader)
         self.e_score_correction_bias = new_param((e,), torch.float32, device, replicated_loader)
-        # None: the fused selection kernel on CUDA (M3SERVE_FUSED_ROUTER=0 in the environment: torch's); "ref" /
-        # "triton" force one
-        self.backend: str | None = "ref" if os.environ.get("M3SERVE_FUSED_ROUTER") == "0" else None
+        # "ref": torch's selection (the default until the fused kernel has been timed and checked on a GPU: its
+        # GPU test and the decode bench have not run yet); M3SERVE_FUSED_ROUTER=1 in the environment opts in to
+        # kernels/router.py (None: the kernel on CUDA, torch's elsewhere); "triton" forces the kernel
+        self.backend: str | None = None if os.environ.get("M3SERVE_FUSED_ROUTER") == "1" else "ref"
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32). The GEMM is torch's; the selection one
-        kernel on CUDA (kernels/router.py, `backend` None), the torch reference elsewhere ("ref" forces it)."""
+        """x [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32). The GEMM is torch's; the selection is
+        torch's or, opted in (`backend`), one kernel on CUDA (kernels/router.py)."""
         logits = F.linear(x.float(), self.weight)
         return router_select(logits, self.e_score_correction_bias, self.top_k, self.scaling, backend=self.backend)
 
