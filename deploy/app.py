@@ -75,9 +75,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return wire_app(args, engine_server=EngineServer, router=Router)
 
 
-def wire_app(args: dict[str, Any] | None, *, engine_server, router) -> Application:
-    """`build_app` with the engine server and router deployments to bind (tests bind the drill deployments of
-    deploy/testing.py; production binds `EngineServer` and `Router`)."""
+def wire_app(args: dict[str, Any] | None, *, engine_server, router, ingress=Ingress) -> Application:
+    """`build_app` with the engine server, router and ingress deployments to bind (tests bind the drill
+    deployments of deploy/testing.py; production binds `EngineServer`, `Router` and `Ingress`)."""
     config = config_from_args(args)
     model_dir = str(resolve_model_dir(config))
     model_name = model_name_for(config, model_dir)
@@ -88,6 +88,6 @@ def wire_app(args: dict[str, Any] | None, *, engine_server, router) -> Applicati
     }
     router_app = router.options(name="Router", num_replicas=config.router_replicas,
                                 ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(engines, config)
-    return Ingress.options(num_replicas=config.ingress_replicas,
+    return ingress.options(name="Ingress", num_replicas=config.ingress_replicas,
                            ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}).bind(
         router_app, config, model_dir, model_name)

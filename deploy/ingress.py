@@ -587,11 +587,11 @@ class Ingress:
         released = self._engines.take_released()  # ended direct streams, told to the router with this call
         if self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
             router = self._router.options(stream=True)
-            streams = [Stream(router.generate.remote(r, True, released if i == 0 else ()), r.request_id,
-                               self._engines) for i, r in enumerate(prep.engine_requests())]
+            streams = [Stream(router.generate.remote(r, True, released if i == 0 else (), self._engines.owner),
+                              r.request_id, self._engines) for i, r in enumerate(prep.engine_requests())]
         else:
-            streams = [Stream(self._router.route.remote(r, released if i == 0 else ()), r.request_id, self._engines)
-                       for i, r in enumerate(prep.engine_requests())]
+            streams = [Stream(self._router.route.remote(r, released if i == 0 else (), self._engines.owner),
+                              r.request_id, self._engines) for i, r in enumerate(prep.engine_requests())]
         try:
             await asyncio.gather(*(s.receive_first() for s in streams))
         except BaseException:  # the client left while we waited: the streams owe aborts and releases

@@ -39,6 +39,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deploy.config import ServeConfig
+from deploy.owners import OWNER_CHECK_S, Owner, gone
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.server import Admitted, FirstToken, TransferOutcome
 from deploy.streaming import coalesce
@@ -48,9 +49,20 @@ from workers.stats import EngineStats
 logger = logging.getLogger("m3serve.router")
 
 STATS_TTL_S = 0.5
-HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (its ingress died); see _sweep_held
+HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (a last resort); see _sweep_held
 
 RETRY_AFTER_UNWIRED_S = 2.0  # no wired pair: a replica restarts (the watchdog wires it once it is ready)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Held:
+    """A direct stream the router counts on `key` until its ingress releases it: the engine replica's request id
+    (to abort it there if `owner`, the ingress replica reading it, dies first) and since when."""
+
+    key: ReplicaKey
+    since: float
+    engine_rid: str
+    owner: Owner | None
 
 
 @serve.deployment(max_ongoing_requests=4096)
@@ -63,8 +75,9 @@ class Router:
         self._last_used: dict[ReplicaKey, int] = {key: 0 for key in self._engines}
         self._picks = 0
         self._where: dict[str, ReplicaKey] = {}  # request id -> replica, for aborts
-        # direct streams (the ingress reads the engine replica's stream itself): request id -> (replica, since)
-        self._held: dict[str, tuple[ReplicaKey, float]] = {}
+        # direct streams (the ingress reads the engine replica's stream itself), by request id
+        self._held: dict[str, _Held] = {}
+        self._owner_watch: asyncio.Task | None = None  # aborts and releases what dead ingress replicas held
         self._stats: dict[ReplicaKey, EngineStats] = {}
         self._counters: dict[ReplicaKey, dict] = {}
         self._stats_time = 0.0
@@ -116,10 +129,12 @@ class Router:
                 self._counters[key] = res["counters"]
 
     # -- requests -------------------------------------------------------------------------------------------
-    async def route(self, req: EngineRequest, released: list[str] = ()) -> Redirect | EngineError:
+    async def route(self, req: EngineRequest, released: list[str] = (),
+                    owner: Owner | None = None) -> Redirect | EngineError:
         """Unified: the replica that runs `req`, as a `Redirect` the ingress follows (see `generate(direct=True)`;
         one unary call, cheaper than a stream of one item). `released`: the caller's direct streams that ended
-        since its previous call (`release`, piggybacked)."""
+        since its previous call (`release`, piggybacked). `owner`: the calling ingress replica (deploy/owners.py:
+        if it dies holding the stream, the request is aborted and released here)."""
         self._release_all(released)
         if self._config.disaggregate:
             return EngineError(status=500, message="route: a disaggregated request streams through generate",
@@ -127,10 +142,10 @@ class Router:
         key = self._pick("unified")
         self._inflight[key] += 1
         self._where[req.request_id] = key
-        return self._hold(req.request_id, key, "generate", (req,), req.request_id)
+        return self._hold(req.request_id, key, "generate", (req,), req.request_id, owner)
 
-    async def generate(self, req: EngineRequest, direct: bool = False,
-                       released: list[str] = ()) -> AsyncIterator[EngineEvent | Redirect]:
+    async def generate(self, req: EngineRequest, direct: bool = False, released: list[str] = (),
+                       owner: Owner | None = None) -> AsyncIterator[EngineEvent | Redirect]:
         """Stream a request's events from the replica chosen for it (prefill then decode when disaggregated).
         `direct` (the ingress): instead of relaying the token stream, end with a `Redirect` to the replica that
         streams it (unified: at once; disaggregated: after the first token, once the KV reached the decode
@@ -138,14 +153,14 @@ class Router:
         id in `released` with a later call)."""
         self._release_all(released)
         if self._config.disaggregate:
-            async for event in self._generate_disaggregated(req, direct):
+            async for event in self._generate_disaggregated(req, direct, owner):
                 yield event
             return
         key = self._pick("unified")
         self._inflight[key] += 1
         self._where[req.request_id] = key
         if direct:
-            async for event in self._redirect(req.request_id, key, "generate", (req,), req.request_id):
+            async for event in self._redirect(req.request_id, key, "generate", (req,), req.request_id, owner):
                 yield event
             return
         stream = self._engines[key].options(stream=True).generate.remote(req)
@@ -163,10 +178,10 @@ class Router:
             await events.aclose()  # stops its pump
 
     async def _redirect(self, rid: str, key: ReplicaKey, method: str, args: tuple,
-                        engine_rid: str) -> AsyncIterator[Redirect]:
+                        engine_rid: str, owner: Owner | None) -> AsyncIterator[Redirect]:
         """Yield the `Redirect` to `key`'s `method(*args)`; from then on the request's in-flight count on `key`
         is the ingress's to give back (`release`). Cancelled before it left: given back here."""
-        redirect = self._hold(rid, key, method, args, engine_rid)
+        redirect = self._hold(rid, key, method, args, engine_rid, owner)
         handed = False
         try:
             yield redirect
@@ -175,10 +190,13 @@ class Router:
             if not handed:
                 self._release(rid)
 
-    def _hold(self, rid: str, key: ReplicaKey, method: str, args: tuple, engine_rid: str) -> Redirect:
-        """Count `rid` on `key` until it is released; the redirect to hand over."""
+    def _hold(self, rid: str, key: ReplicaKey, method: str, args: tuple, engine_rid: str,
+              owner: Owner | None) -> Redirect:
+        """Count `rid` on `key` until it is released (or its `owner` dies); the redirect to hand over."""
         handle = self._engines[key]
-        self._held[rid] = (key, time.monotonic())
+        self._held[rid] = _Held(key, time.monotonic(), engine_rid, owner)
+        if owner is not None and (self._owner_watch is None or self._owner_watch.done()):
+            self._owner_watch = asyncio.get_running_loop().create_task(self._watch_owners())
         return Redirect(app_name=handle.app_name, deployment=handle.deployment_name, method=method, args=args,
                         request_id=engine_rid, release_id=rid)
 
@@ -201,16 +219,35 @@ class Router:
         held = self._held.pop(rid, None)  # once: a second release (a cancel racing the end) finds nothing
         if held is None:
             return
-        self._inflight[held[0]] -= 1
-        if self._where.get(rid) == held[0]:
+        self._inflight[held.key] -= 1
+        if self._where.get(rid) == held.key:
             del self._where[rid]
 
     def _sweep_held(self) -> None:
-        """Forget direct streams never released (their ingress replica died): after `HOLD_TTL_S` they stop
-        counting as load (their engine freed the pages long before, when their stream broke)."""
+        """Forget direct streams never released after `HOLD_TTL_S`: a last resort (a caller that named no owner
+        and died); those of a dead owner go within `OWNER_CHECK_S` (`_watch_owners`)."""
         now = time.monotonic()
-        for rid in [r for r, (_, since) in self._held.items() if now - since > HOLD_TTL_S]:
+        for rid in [r for r, held in self._held.items() if now - held.since > HOLD_TTL_S]:
             self._release(rid)
+
+    async def _watch_owners(self) -> None:
+        """While direct streams are held: every `OWNER_CHECK_S`, abort on its engine replica and release every
+        stream whose ingress replica died (deploy/owners.py); it would never be released, and its engine would
+        run it on to its max_tokens."""
+        while self._held:
+            await asyncio.sleep(OWNER_CHECK_S)
+            try:
+                owners = {h.owner for h in self._held.values() if h.owner is not None}
+                dead = await gone(owners) if owners else set()
+                orphans = [(rid, h) for rid, h in list(self._held.items()) if h.owner in dead]
+                for rid, _ in orphans:
+                    self._release(rid)
+                if orphans:
+                    logger.warning("ingress replica(s) %s died holding %d stream(s): aborted",
+                                   sorted(o[1] for o in dead), len(orphans))
+                await asyncio.gather(*(self._abort_on(h.key, h.engine_rid) for _, h in orphans))
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.exception("ingress replica watch")
 
     async def abort(self, request_id: str) -> None:
         touched = self._touched.get(request_id)
@@ -323,8 +360,8 @@ class Router:
                                message=f"no decode replica has room for this request's KV pages now ({full.message})")
         return full or _unwired_error()
 
-    async def _generate_disaggregated(self, req: EngineRequest,
-                                      direct: bool = False) -> AsyncIterator[EngineEvent | Redirect]:
+    async def _generate_disaggregated(self, req: EngineRequest, direct: bool = False,
+                                      owner: Owner | None = None) -> AsyncIterator[EngineEvent | Redirect]:
         rid = req.request_id
         if req.params.n != 1:
             yield EngineError(status=400, param="n",
@@ -385,7 +422,7 @@ class Router:
                     busy.remove(p)
                     self._watch_prefill(p, d, tid, pstream, rid, placed=p_rank is not None)
                     busy.remove(d)  # the ingress's from here, like a unified redirect
-                    async for event in self._redirect(rid, d, "decode", (sub, None), tid):
+                    async for event in self._redirect(rid, d, "decode", (sub, None), tid, owner):
                         yield event
                     done = True
                     return
@@ -429,7 +466,7 @@ class Router:
                                logprobs=sample.logprobs[0] if sample.logprobs else None)
             if direct:  # the ingress streams the decode itself; the decode replica's count goes with it
                 busy.remove(d)
-                async for event in self._redirect(rid, d, "decode", (sub, token), sub.request_id):
+                async for event in self._redirect(rid, d, "decode", (sub, token), sub.request_id, owner):
                     yield event
                 done = True
                 return

@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deploy.errors import ApiError
 from deploy.metrics_endpoint import RequestTiming
+from deploy.owners import this_owner
 from deploy.protocol import SSE_DONE, EngineChunk, EngineError, Redirect, sse_event
 from deploy.streaming import EventQueue
 
@@ -128,6 +129,9 @@ class EngineStreams:
         self._handles: dict[tuple[str, str], DeploymentHandle] = {}
         self._subscriptions: dict[tuple[str, str], Subscription] = {}
         self._subscriber = f"ingress-{uuid.uuid4().hex[:12]}"
+        # this ingress replica's Ray actor, named with every request: if it dies, the router aborts and releases
+        # what it held (deploy/owners.py)
+        self.owner = this_owner()
         self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
         self._released: list[str] = []  # ended direct streams the router has not been told of yet
         self._flush: asyncio.TimerHandle | None = None

@@ -1,8 +1,9 @@
-"""Test-only deployments: the engine server and router with fault injection, holds and pauses (DESIGN.md §10).
+"""Test-only deployments: the engine server and router with fault injection, holds and pauses, and an ingress
+that says who it is (DESIGN.md §10).
 
 Production wiring (`deploy.app.build_app`, the CLI, Helm) never binds these; tests build their apps with
-`build_drill_app`, which is `deploy.app.wire_app` with `DrillEngineServer` and `DrillRouter` in place of
-`EngineServer` and `Router`. The deployments keep their names, so handles find them as usual.
+`build_drill_app`, which is `deploy.app.wire_app` with `DrillEngineServer`, `DrillRouter` and `DrillIngress` in
+place of `EngineServer`, `Router` and `Ingress`. The deployments keep their names, so handles find them as usual.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ray import serve
 from ray.serve import Application
 
 from deploy.app import wire_app
+from deploy.ingress import Ingress
 from deploy.router import Router
 from deploy.server import EngineServer
 
@@ -98,6 +100,20 @@ class DrillRouter(Router.func_or_class):
             await asyncio.sleep(PAUSE_S if fault == "pause_before_decode" else DELAY_S)
 
 
+@serve.deployment(max_ongoing_requests=4096)
+class DrillIngress(Ingress.func_or_class):
+    """An `Ingress` (the FastAPI class Serve wrapped) that tells a handle caller its process id and how many
+    engine streams it has open, so a test can kill the replica that carries streams."""
+
+    async def pid(self, hold_s: float = 0.0) -> dict[str, int]:
+        """`hold_s`: answer after that long, so that calls made together spread over the replicas (Serve sends a
+        call to the replica with fewer calls in flight)."""
+        import os
+
+        await asyncio.sleep(hold_s)
+        return {"pid": os.getpid(), "live": len(self._engines.live)}
+
+
 def build_drill_app(args: dict[str, Any] | None = None) -> Application:
-    """`build_app(args)` with the drill deployments in place of the engine servers and the router."""
-    return wire_app(args, engine_server=DrillEngineServer, router=DrillRouter)
+    """`build_app(args)` with the drill deployments in place of the engine servers, the router and the ingress."""
+    return wire_app(args, engine_server=DrillEngineServer, router=DrillRouter, ingress=DrillIngress)
