@@ -6,7 +6,8 @@ Used by `m3serve serve`, by `serve run deploy.app:build_app ...`, by Ray Serve c
 `{"overrides": {...}}` applied on top (nested keys merge).
 
 Graph: Ingress (HTTP, tokenization) -> Router (replica choice) -> EngineServer-<role>-<i> (one deployment per
-engine replica, so the router can address each one). Roles: `unified`, or `prefill` + `decode` with
+engine replica, so the router can address each one); MetricsHub, where the ingress and router replicas' series
+meet for the API port's /metrics (deploy/metrics_hub.py). Roles: `unified`, or `prefill` + `decode` with
 `disaggregate: true` (the router moves each request's KV from a prefill replica to a decode replica).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ray.serve import Application
 
 from deploy.config import ConfigError, ServeConfig, load_serve_config
 from deploy.ingress import Ingress, model_name_for
+from deploy.metrics_hub import HUB_NAME, HUB_NUM_CPUS, MetricsHub
 from deploy.router import Router
 from deploy.server import EngineServer, resolve_model_dir
 from workers.configio import REPO_ROOT, read_yaml
@@ -86,8 +88,10 @@ def wire_app(args: dict[str, Any] | None, *, engine_server, router, ingress=Ingr
                for i in range(group.replicas)]
         for role, group in config.groups().items()
     }
+    hub = MetricsHub.options(name=HUB_NAME, ray_actor_options={"num_cpus": HUB_NUM_CPUS}).bind()
     router_app = router.options(name="Router", num_replicas=config.router_replicas,
-                                ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(engines, config)
+                                ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(
+        engines, config, metrics_hub=hub, model_name=model_name)
     return ingress.options(name="Ingress", num_replicas=config.ingress_replicas,
                            ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}).bind(
         router_app, config, model_dir, model_name)

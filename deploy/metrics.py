@@ -242,6 +242,10 @@ class PrometheusClientSink:
                 self._metrics[s.name] = m
             return m
 
+    def touch(self, s: MetricSpec, labels: Mapping[str, str]) -> None:
+        """Create the series at zero (a counter shows from the start, not from its first increment)."""
+        self._get(s).labels(**labels)
+
     def inc(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
         if value > 0:
             self._get(s).labels(**labels).inc(value)

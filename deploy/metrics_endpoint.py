@@ -6,9 +6,14 @@ Where the series come from:
   `prometheus_client` registry (`ReplicaExport`) under the names below; `EngineServer.metrics_families` hands
   that registry's families to whoever asks;
 - the ingress measures what the client sees (`RequestTiming`: from the HTTP request's arrival at the ingress,
-  stamped by `ArrivalStamp`, to the first engine event and to the end) into its own registry (`IngressMetrics`).
+  stamped by `ArrivalStamp`, to the first engine event and to the end) into its own registry (`IngressMetrics`);
+- each router replica counts what it routed where, its in-flight requests per engine replica, PD handoff
+  outcomes, the streams of dead ingress replicas it aborted and its KV pairs (`RouterMetrics`);
+- ingress and router replicas cannot be addressed one by one through Serve handles, so each pushes its families
+  to the app's `MetricsHub` every second (deploy/metrics_hub.py).
 
-`gather` collects the ingress's registries and every engine replica's families through Serve handles and
+`gather` collects the ingress's registries, every other ingress's and router's latest families from the hub, and
+every engine replica's families through Serve handles, and
 `exposition` renders them in the format the scraper's Accept header asks for (Prometheus text 0.0.4, or
 OpenMetrics). Merging concatenates samples and never adds them: every replica's series carry its own `role` and
 `replica` labels, so the same series from two sources can only be a duplicate (kept once, `merge_families`).
@@ -30,13 +35,13 @@ import re
 import time
 from typing import Any, Iterable
 
-from deploy.metrics import (REGISTERED_PREFIX, MetricSpec, PrometheusClientSink, RayMetricsSink, Sink, _c, _h,
+from deploy.metrics import (REGISTERED_PREFIX, MetricSpec, PrometheusClientSink, RayMetricsSink, Sink, _c, _g, _h,
                             _REQUEST_PHASE_BUCKETS, _TTFT_BUCKETS)
 
 logger = logging.getLogger("m3serve.metrics")
 
 __all__ = ["VLLM_NAMES", "own_name", "TeeSink", "ReplicaExport", "replica_sinks", "IngressMetrics",
-           "RequestTiming", "ArrivalStamp", "merge_families", "exposition", "gather"]
+           "RouterMetrics", "RequestTiming", "ArrivalStamp", "merge_families", "exposition", "gather"]
 
 VLLM_PREFIX = "vllm:"
 VLLM_NAMES = {  # our metric name -> vLLM's (counters without `_total`: prometheus_client appends it)
@@ -145,6 +150,19 @@ class ArrivalStamp:
             _ARRIVAL.reset(token)
 
 
+def _replica_tag() -> str:
+    """This Serve replica's tag ("0" outside Serve: a unit test)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:  # noqa: BLE001 - not in a Serve replica
+        return "0"
+
+
+INGRESS_OUTCOMES = ("finished", "abort", "error")
+
+
 class IngressMetrics:
     """The ingress replica's client-visible series: `m3serve_ingress_*` in its own registry (and Ray's)."""
 
@@ -154,19 +172,22 @@ class IngressMetrics:
         self.labels = {"model_name": model_name, "role": "ingress", "replica": replica}
         self.export = PrometheusClientSink(name_of=lambda s: REGISTERED_PREFIX + s.name)
         self.sink = TeeSink(RayMetricsSink(), self.export) if ray else TeeSink(self.export)
+        for outcome in INGRESS_OUTCOMES:  # every replica shows from its start, with or without requests
+            self.export.touch(_INGRESS["ingress_requests"], {**self.labels, "outcome": outcome})
 
     @classmethod
     def install(cls, model_name: str, replica: str | None = None, *, ray: bool = True) -> "IngressMetrics":
-        """This process's ingress metrics; `replica` defaults to the Serve replica's tag ("0" outside Serve)."""
-        if replica is None:
-            try:
-                from ray import serve
+        """This process's ingress metrics; `replica` defaults to the Serve replica's tag ("0" outside Serve). In a
+        Serve replica its families go to the app's metrics hub every second (the other ingress replicas' scrapes
+        show them)."""
+        from deploy.metrics_hub import start_pushing
 
-                replica = serve.get_replica_context().replica_tag
-            except Exception:  # not in a Serve replica (a unit test)
-                replica = "0"
-        cls.current = cls(model_name, replica, ray=ray)
-        return cls.current
+        cls.current = metrics = cls(model_name, replica or _replica_tag(), ray=ray)
+        start_pushing(f"ingress-{metrics.labels['replica']}", metrics.families)
+        return metrics
+
+    def families(self) -> list:
+        return list(self.export.registry.collect())
 
     def record(self, ttft: float | None, e2e: float | None, outcome: str) -> None:
         try:
@@ -178,6 +199,67 @@ class IngressMetrics:
                     self.sink.observe(_INGRESS["ingress_e2e_request_latency_seconds"], e2e, self.labels)
         except Exception:  # metrics must never fail a request
             logger.exception("ingress metrics")
+
+
+# -- the router's own series ----------------------------------------------------------------------------------
+_ENGINE = ("engine_role", "engine_replica")
+ROUTER_METRICS = (
+    _c("router_requests", "Requests this router placed on each engine replica (a disaggregated request counts on "
+       "its prefill and its decode replica; a retried prefill twice).", _ENGINE),
+    MetricSpec(name="router_inflight_requests", kind="gauge", extra_labels=_ENGINE,
+               description="Requests this router counts in flight on each engine replica (its load signal)."),
+    _c("router_pd_handoffs", "Disaggregated requests by what became of the prefill -> decode handoff: ok, "
+       "transfer_failed, refused (no decode room, a prefill refusal), finished_at_prefill (the first token ended "
+       "it).", ("outcome",)),
+    _c("router_orphans_aborted", "Direct streams whose ingress replica died holding them: aborted on their engine "
+       "replica and no longer counted in flight."),
+    MetricSpec(name="router_kv_pair_generation", kind="gauge", extra_labels=("pair",),
+               description="Generation of each KV pair (prefill-i->decode-j) when last opened; it grows when a pair is "
+               "re-wired."),
+    _g("router_kv_pairs_unwired", "KV pairs missing now (an end restarted; /health is not ready while > 0)."),
+)
+_ROUTER = {m.name: m for m in ROUTER_METRICS}
+
+
+class RouterMetrics:
+    """One router replica's series (`m3serve_router_*`, role `router`, replica = its Serve replica tag), in its own
+    registry and Ray's. The gauges are set from the router's state each time the families are collected."""
+
+    def __init__(self, model_name: str, replica: str | None = None, *, ray: bool = True) -> None:
+        self.labels = {"model_name": model_name, "role": "router", "replica": replica or _replica_tag()}
+        self.export = PrometheusClientSink(name_of=lambda s: REGISTERED_PREFIX + s.name)
+        self.sink = TeeSink(RayMetricsSink(), self.export) if ray else TeeSink(self.export)
+
+    def _engine(self, key: tuple[str, int]) -> dict[str, str]:
+        return {**self.labels, "engine_role": key[0], "engine_replica": str(key[1])}
+
+    def routed(self, key: tuple[str, int]) -> None:
+        self._safely(self.sink.inc, _ROUTER["router_requests"], 1, self._engine(key))
+
+    def handoff(self, outcome: str) -> None:
+        self._safely(self.sink.inc, _ROUTER["router_pd_handoffs"], 1, {**self.labels, "outcome": outcome})
+
+    def orphans_aborted(self, count: int) -> None:
+        self._safely(self.sink.inc, _ROUTER["router_orphans_aborted"], count, self.labels)
+
+    def families(self, inflight: dict[tuple[str, int], int], pairs: dict[str, int], unwired: int) -> list:
+        """The registry's families after setting the gauges from `inflight` (per engine replica), `pairs` (open
+        pair -> generation) and `unwired` (pairs missing)."""
+        for key, count in inflight.items():
+            self.export.touch(_ROUTER["router_requests"], self._engine(key))
+            self._safely(self.sink.set, _ROUTER["router_inflight_requests"], count, self._engine(key))
+        for pair, gen in pairs.items():
+            self._safely(self.sink.set, _ROUTER["router_kv_pair_generation"], gen, {**self.labels, "pair": pair})
+        if pairs or unwired:
+            self._safely(self.sink.set, _ROUTER["router_kv_pairs_unwired"], unwired, self.labels)
+        return list(self.export.registry.collect())
+
+    @staticmethod
+    def _safely(record, *args) -> None:
+        try:
+            record(*args)
+        except Exception:  # noqa: BLE001 - metrics must never fail a request
+            logger.exception("router metrics")
 
 
 class RequestTiming:
@@ -267,9 +349,9 @@ _HANDLES: dict[tuple[str, str], Any] = {}
 
 
 async def gather(config: Any, local: list, timeout_s: float = 5.0) -> list:
-    """`local` families (this ingress's) merged with every engine replica's, asked through Serve handles of this
-    app. A replica that does not answer within `timeout_s` is left out of this scrape (logged); its series come
-    back with the next one."""
+    """`local` families (this ingress's) merged with every other ingress and router replica's latest (from the
+    app's metrics hub) and every engine replica's, asked through Serve handles of this app. A replica that does
+    not answer within `timeout_s` is left out of this scrape (logged); its series come back with the next one."""
     import asyncio
 
     from ray import serve
@@ -278,18 +360,32 @@ async def gather(config: Any, local: list, timeout_s: float = 5.0) -> list:
 
     async def one(name: str) -> list:
         try:
-            # one handle per engine for the process's life: a new handle per scrape would start a new
-            # request router (and its long-poll) every scrape
-            handle = _HANDLES.get((app_name, name))
-            if handle is None:
-                handle = _HANDLES[(app_name, name)] = serve.get_deployment_handle(name, app_name=app_name)
-            return await asyncio.wait_for(handle.metrics_families.remote(), timeout_s)
+            return await asyncio.wait_for(handle_of(name).metrics_families.remote(), timeout_s)
         except Exception as e:
             logger.warning("metrics of %s left out: %r", name, e)
             return []
 
-    engines = await asyncio.gather(*(one(n) for n in engine_deployments(config)))
-    return merge_families([local, *engines])
+    async def pushed() -> list[list]:
+        from deploy.metrics_hub import HUB_NAME
+
+        me = IngressMetrics.current
+        try:
+            return await asyncio.wait_for(handle_of(HUB_NAME).families.remote(
+                exclude=None if me is None else f"ingress-{me.labels['replica']}"), timeout_s)
+        except Exception as e:
+            logger.warning("metrics of the other ingress and router replicas left out: %r", e)
+            return []
+
+    def handle_of(name: str) -> Any:
+        # one handle per deployment for the process's life: a new handle per scrape would start a new request
+        # router (and its long-poll) every scrape
+        handle = _HANDLES.get((app_name, name))
+        if handle is None:
+            handle = _HANDLES[(app_name, name)] = serve.get_deployment_handle(name, app_name=app_name)
+        return handle
+
+    others, *engines = await asyncio.gather(pushed(), *(one(n) for n in engine_deployments(config)))
+    return merge_families([local, *others, *engines])
 
 
 def local_families() -> list:
@@ -298,6 +394,6 @@ def local_families() -> list:
 
     out = list(REGISTRY.collect())
     if IngressMetrics.current is not None:
-        out += list(IngressMetrics.current.export.registry.collect())
+        out += IngressMetrics.current.families()
     return out
 

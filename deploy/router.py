@@ -39,6 +39,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deploy.config import ServeConfig
+from deploy.metrics_endpoint import RouterMetrics
+from deploy.metrics_hub import start_pushing
 from deploy.owners import OWNER_CHECK_S, Owner, gone
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.server import Admitted, FirstToken, TransferOutcome
@@ -67,7 +69,9 @@ class _Held:
 
 @serve.deployment(max_ongoing_requests=4096)
 class Router:
-    def __init__(self, engines: dict[str, list[DeploymentHandle]], config: ServeConfig) -> None:
+    def __init__(self, engines: dict[str, list[DeploymentHandle]], config: ServeConfig, *,
+                 metrics_hub: DeploymentHandle | None = None, model_name: str | None = None) -> None:
+        """`metrics_hub`: where this replica's series go for the API port's /metrics (deploy/metrics_hub.py)."""
         self._config = config
         self._engines: dict[ReplicaKey, DeploymentHandle] = {
             (role, i): handle for role, handles in engines.items() for i, handle in enumerate(handles)}
@@ -93,6 +97,16 @@ class Router:
         # decode-first requests whose prefill has not answered yet: request id -> (prefill replica, transfer id,
         # its prefill stream); a release before that (the client left) stops the prefill too
         self._prefilling: dict[str, tuple[ReplicaKey, str, object]] = {}
+        self._metrics = RouterMetrics(model_name or config.model_name or "m3serve")
+        start_pushing(f"router-{self._metrics.labels['replica']}", self._metric_families, metrics_hub)
+
+    def _metric_families(self) -> list:
+        return self._metrics.families(self._inflight, self._wiring.as_dict(), len(self._wiring.stale()))
+
+    def _count_in(self, key: ReplicaKey) -> None:
+        """One more request of this router's on `key` (its load, and the routed count)."""
+        self._inflight[key] += 1
+        self._metrics.routed(key)
 
     # -- choosing replicas ----------------------------------------------------------------------------------
     def _candidates(self, role: str) -> list[ReplicaKey]:
@@ -140,7 +154,7 @@ class Router:
             return EngineError(status=500, message="route: a disaggregated request streams through generate",
                                code="internal_error")
         key = self._pick("unified")
-        self._inflight[key] += 1
+        self._count_in(key)
         self._where[req.request_id] = key
         return self._hold(req.request_id, key, "generate", (req,), req.request_id, owner)
 
@@ -157,7 +171,7 @@ class Router:
                 yield event
             return
         key = self._pick("unified")
-        self._inflight[key] += 1
+        self._count_in(key)
         self._where[req.request_id] = key
         if direct:
             async for event in self._redirect(req.request_id, key, "generate", (req,), req.request_id, owner):
@@ -243,6 +257,7 @@ class Router:
                 for rid, _ in orphans:
                     self._release(rid)
                 if orphans:
+                    self._metrics.orphans_aborted(len(orphans))
                     logger.warning("ingress replica(s) %s died holding %d stream(s): aborted",
                                    sorted(o[1] for o in dead), len(orphans))
                 await asyncio.gather(*(self._abort_on(h.key, h.engine_rid) for _, h in orphans))
@@ -406,6 +421,7 @@ class Router:
                 # a retry's first token differs from the one the client has: the decode waits to be handed that
                 admitted = await self._admit(sub, p, p_rank, first_from_kv=attempt == 0)
                 if isinstance(admitted, EngineError):
+                    self._metrics.handoff("refused")
                     if p_rank is not None:
                         await self._abort_on(p, tid)  # let the placement go
                     done = True
@@ -413,9 +429,9 @@ class Router:
                     return
                 d, send_to = admitted
                 touched.append((d, tid))
-                self._inflight[d] += 1
+                self._count_in(d)
                 busy.append(d)
-                self._inflight[p] += 1
+                self._count_in(p)
                 busy.append(p)
                 pstream = self._engines[p].options(stream=True).prefill.remote(sub, send_to, tid)
                 if decode_first:
@@ -429,6 +445,7 @@ class Router:
                 streams.append(pstream)
                 event = await _next_event(pstream, f"prefill replica {p[1]}")
                 if isinstance(event, EngineError):
+                    self._metrics.handoff("refused")
                     self._rewire_if_unwired(event)
                     await self._abort_on(d, tid)
                     if p_rank is not None:  # refused before it was added (queue full): its placement is held
@@ -439,6 +456,7 @@ class Router:
                 if first is None:
                     first = event
                     if event.finished:  # the first token ended it: nothing to decode
+                        self._metrics.handoff("finished_at_prefill")
                         await self._abort_on(d, tid)
                         done = True
                         yield event
@@ -455,7 +473,9 @@ class Router:
                 self._inflight[p] -= 1
                 busy.remove(p)
                 if isinstance(outcome, TransferOutcome) and outcome.ok:
+                    self._metrics.handoff("ok")
                     break
+                self._metrics.handoff("transfer_failed")
                 why = outcome.reason if isinstance(outcome, TransferOutcome) else getattr(outcome, "message", outcome)
                 logger.warning("request %s: KV transfer %s -> %s failed: %s", rid, p, d, why)
                 await self._abort_on(d, tid)
@@ -507,6 +527,7 @@ class Router:
                     finally:
                         self._prefilling.pop(rid, None)
                     if isinstance(event, EngineError) or event.finished:
+                        self._metrics.handoff("refused" if isinstance(event, EngineError) else "finished_at_prefill")
                         self._rewire_if_unwired(event)
                         if isinstance(event, EngineError) and placed:
                             await self._abort_on(p, tid)  # refused before it was added: let the placement go
@@ -516,7 +537,9 @@ class Router:
             finally:
                 self._inflight[p] -= 1
             if isinstance(outcome, TransferOutcome) and outcome.ok:
+                self._metrics.handoff("ok")
                 return
+            self._metrics.handoff("transfer_failed")
             why = outcome.reason if isinstance(outcome, TransferOutcome) else getattr(outcome, "message", outcome)
             logger.warning("request %s: KV transfer %s -> %s failed: %s", tid, p, d, why)
             # first: dropping a broken pair would fail it too, under a vaguer reason ("closed")

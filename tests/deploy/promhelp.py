@@ -45,11 +45,12 @@ class Prometheus:
     """A Prometheus process scraping `targets` (host:port) every `scrape_interval`, with our recording rules."""
 
     def __init__(self, workdir: Path, targets: list[str], *, scrape_interval: str = "1s",
-                 rule_files: tuple[Path, ...] = (RULES,)) -> None:
+                 rule_files: tuple[Path, ...] = (RULES,), metrics_path: str = "/metrics") -> None:
         self.workdir = Path(workdir)
         self.targets = targets
         self.scrape_interval = scrape_interval
         self.rule_files = rule_files
+        self.metrics_path = metrics_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -69,6 +70,7 @@ class Prometheus:
             f"rule_files:\n{rules}"
             "scrape_configs:\n"
             "  - job_name: m3serve\n"
+            f"    metrics_path: {self.metrics_path}\n"
             f"    static_configs:\n      - targets: [{targets}]\n")
         self.log = open(self.workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(

@@ -33,10 +33,11 @@ N = 8  # requests of the metrics test
 
 @pytest.fixture(scope="module")
 def two_ingresses(serve_app):
-    base = serve_app.deploy_extra(APP, {**serve_app.config, "ingress_replicas": 2})
+    # no API key: Prometheus scrapes /metrics as it is
+    base = serve_app.deploy_extra(APP, {**serve_app.config, "ingress_replicas": 2, "api_key": None})
     try:
         serve_app.wait_healthy_at(base)
-        yield dataclasses.replace(serve_app, base_url=base, extra_apps=[])
+        yield dataclasses.replace(serve_app, base_url=base, extra_apps=[], api_key="none")
     finally:
         serve_app.delete_extra(APP)
 
@@ -98,6 +99,33 @@ def _counters(app) -> dict[str, int]:
 
 def _inflight(app) -> list[int]:
     return [row["inflight"] for row in app.engine_stats()]
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus package is not installed")
+def test_metrics_of_every_ingress_and_the_router(two_ingresses, tmp_path):
+    """Runs first (the counts are absolute): the next test kills an ingress replica."""
+    app = two_ingresses
+    sel = f'{{model_name="{app.model}"}}'
+    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{app.port}"], metrics_path=f"/{APP}/metrics") as prom:
+        assert prom.wait_healthy() == ["up"]
+        tokens = 0
+        for _ in range(N):
+            r = _complete(app, max_tokens=4)
+            assert r.status_code == 200, r.text
+            tokens += r.json()["usage"]["completion_tokens"]
+        # every scrape of the last 5 s (answered by either ingress replica) holds both replicas' series, and
+        # their request counts sum to what was sent
+        steady = "min_over_time((%s)[5s:1s])"
+        replicas = f'count(count by (replica) (m3serve_ingress_requests_total{{role="ingress",model_name="{app.model}"}}))'
+        prom.wait_until(steady % replicas, lambda v: v == 2, timeout_s=60)
+        sent = f'sum(m3serve_ingress_requests_total{{model_name="{app.model}",outcome="finished"}})'
+        prom.wait_until(steady % sent, lambda v: v == N, timeout_s=60)
+        assert prom.scalar(f"max_over_time(({sent})[5s:1s])") == N
+        # the router's series: what it placed on the engine replica, in flight back to 0; the engines' as before
+        prom.wait_until(f'sum(m3serve_router_requests_total{{model_name="{app.model}",role="router"}})',
+                        lambda v: v == N, timeout_s=30)
+        prom.wait_until(f"sum(m3serve_router_inflight_requests{sel})", lambda v: v == 0, timeout_s=30)
+        prom.wait_until(f"sum(vllm:generation_tokens_total{sel})", lambda v: v == tokens, timeout_s=30)
 
 
 def test_kill_ingress_with_streams_in_flight(two_ingresses):
