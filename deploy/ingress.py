@@ -1,7 +1,8 @@
 """Ingress: the OpenAI-compatible HTTP API (FastAPI under Ray Serve).
 
-Everything that needs text happens here: auth, body validation, the chat template, tokenization, turning token
-deltas into OpenAI responses or SSE chunks, logprob formatting. Below this deployment there are only token ids.
+Everything that needs text happens here: auth, body validation, the chat template, tokenization, the text of the
+engine's token ids (detokenizing, stop strings, logprob tokens: deploy/output.py), turning it into OpenAI
+responses or SSE chunks. Below this deployment there are only token ids.
 Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
 
 Streams (deploy/stream.py): the router decides where a request runs and answers a `Redirect`; the tokens then come
@@ -16,7 +17,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,11 +31,11 @@ from deploy.config import ServeConfig
 from deploy.errors import NOT_READY_RETRY_S, ApiError
 from deploy.metrics_endpoint import ArrivalStamp
 from deploy.protocol import (
-    SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobEntry, ChatLogprobs,
-    ChunkEncoder, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    EngineChunk, EngineError, EngineRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
-    TopLogprob, UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, unknown_fields,
+    SSE_DONE, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChunkEncoder, CompletionChoice,
+    CompletionRequest, CompletionResponse, DetokenizeRequest, EngineChunk, EngineError, EngineRequest, ModelCard, ModelList, TokenizeChatRequest, TokenizeCompletionRequest,
+    UsageInfo, chat_chunk_choice, completion_choice, new_id, param_of, unknown_fields,
 )
+from deploy.output import ChunkText, TokenText, chat_logprobs, completion_logprobs
 from deploy.stream import EngineStreams, SSEResponse, Stream, guarded, merge
 from workers.request import SamplingParams
 from workers.structured_spec import GrammarSpec
@@ -98,7 +99,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Per-choice accumulation and logprob formatting
+# Per-choice accumulation
 
 
 @dataclass
@@ -109,56 +110,6 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-
-class _TokenText:
-    """Token id -> display string for logprobs, cached (the same ids recur)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        s = self._cache.get(token_id)
-        if s is None:
-            s = self._tok.decode_token(token_id)
-            self._cache[token_id] = s
-        return s
-
-
-def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(lp.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-
-
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float] | None], top_n: int,
-                        text_of: Callable[[int], str], offset0: int = 0) -> CompletionLogprobs:
-    """OpenAI legacy logprobs for `token_ids`; a None entry (first prompt token) has no logprob."""
-    out = CompletionLogprobs()
-    offset = offset0
-    for tid, lp in zip(token_ids, logprobs):
-        s = text_of(tid)
-        out.tokens.append(s)
-        out.text_offset.append(offset)
-        offset += len(s)
-        if lp is None:
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            continue
-        out.token_logprobs.append(lp.get(tid))
-        out.top_logprobs.append({text_of(t): v for t, v in _top(lp, top_n)})
-    return out
-
-
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top_n: int,
-                  text_of: Callable[[int], str]) -> ChatLogprobs:
-    entries = []
-    for tid, lp in zip(token_ids, logprobs):
-        s = text_of(tid)
-        tops = [TopLogprob(token=text_of(t), logprob=v, bytes=list(text_of(t).encode("utf-8")))
-                for t, v in _top(lp, top_n)]
-        entries.append(ChatLogprobEntry(token=s, logprob=lp.get(tid, float("-inf")), bytes=list(s.encode("utf-8")),
-                                        top_logprobs=tops))
-    return ChatLogprobs(content=entries)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -288,7 +239,7 @@ class Ingress:
 
             self._tokenizer = Tokenizer.from_dir(model_dir)
             self._sampling_defaults = extras.sampling_defaults(model_dir)
-            self._text_of = _TokenText(self._tokenizer)
+            self._text_of = TokenText(self._tokenizer)
         except Exception as e:  # served as 503 with the reason, not a crash loop
             logger.exception("tokenizer failed to load from %s", model_dir)
             self._tokenizer_error = f"{type(e).__name__}: {e}"
@@ -585,13 +536,17 @@ class Ingress:
         """Send every prompt to the router and wait for each one's first event, so that a refusal (400, 429,
         503) becomes the HTTP status before any byte of a stream is sent."""
         released = self._engines.take_released()  # ended direct streams, told to the router with this call
+        requests = prep.engine_requests()
         if self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
             router = self._router.options(stream=True)
-            streams = [Stream(router.generate.remote(r, True, released if i == 0 else (), self._engines.owner),
-                              r.request_id, self._engines) for i, r in enumerate(prep.engine_requests())]
+            calls = [router.generate.remote(r, True, released if i == 0 else (), self._engines.owner)
+                     for i, r in enumerate(requests)]
         else:
-            streams = [Stream(self._router.route.remote(r, released if i == 0 else (), self._engines.owner),
-                              r.request_id, self._engines) for i, r in enumerate(prep.engine_requests())]
+            calls = [self._router.route.remote(r, released if i == 0 else (), self._engines.owner)
+                     for i, r in enumerate(requests)]
+        # the engines send token ids; each stream makes their text (deploy/output.py)
+        streams = [Stream(call, r.request_id, self._engines, ChunkText(self._tokenizer, r.prompt_token_ids, r.params))
+                   for call, r in zip(calls, requests)]
         try:
             await asyncio.gather(*(s.receive_first() for s in streams))
         except BaseException:  # the client left while we waited: the streams owe aborts and releases

@@ -482,8 +482,7 @@ class Router:
                 await self._repair(p, d)  # and run the prefill once more
             await self._before_decode(rid)
             sample = first.samples[0]
-            token = FirstToken(token_id=sample.token_ids[0], text_len=len(sample.text),
-                               logprobs=sample.logprobs[0] if sample.logprobs else None)
+            token = FirstToken(token_id=sample.token_ids[0], logprobs=sample.logprobs[0] if sample.logprobs else None)
             if direct:  # the ingress streams the decode itself; the decode replica's count goes with it
                 busy.remove(d)
                 async for event in self._redirect(rid, d, "decode", (sub, token), sub.request_id, owner):

@@ -3,7 +3,7 @@
 The engine loads in a background thread so the replica comes up at once and reports `loading` until the
 weights are in; the ingress answers 503 until every engine is ready (and keeps answering 503, with the reason,
 if a load failed). `generate` turns the engine's cumulative outputs into deltas, so what crosses the Serve hop per
-step is the new tokens only, and turns refusals (bad request, queue full) into `EngineError` events instead of
+step is the new token ids only (the ingress makes the text, and sends `stop` when it finds a stop string), and turns refusals (bad request, queue full) into `EngineError` events instead of
 exceptions: an exception crossing Ray loses its type in ways the ingress should not have to guess at.
 
 Roles (docs/disaggregation.md): a `unified` replica serves `generate`. A `prefill` replica serves `prefill`:
@@ -79,11 +79,10 @@ class Admitted:
 
 @dataclass(frozen=True, kw_only=True)
 class FirstToken:
-    """Router -> decode replica: what prefill sampled and what the client already got of it."""
+    """Router -> decode replica: what prefill sampled (the client already has it)."""
 
     token_id: int
     logprobs: dict[int, float] | None = None
-    text_len: int = 0  # characters of text already streamed (prefill's visible text after the first token)
 
 
 def engine_transfer_config(config: ServeConfig):
@@ -300,6 +299,12 @@ class EngineServer:
                 self._engine.abort(request_id)
             self._counters["finished" if finished else "failed" if failed else "rejected" if refused
                            else "aborted"] += 1
+
+    async def stop(self, request_id: str, index: int, stop: str) -> None:
+        """The ingress found stop string `stop` in sample `index`'s text: the engine finishes that sample with
+        reason "stop" before its next step (the request ends, its pages freed, once every sample finished)."""
+        if self._engine is not None:
+            self._engine.stop(request_id, index, stop)
 
     async def abort(self, request_id: str) -> None:
         for box in self._boxes.values():  # a subscribed request: its pump's stream aborts as it closes

@@ -1,5 +1,6 @@
-"""What an `EngineServer` streams: an engine's cumulative outputs turned into deltas (`DeltaTracker`), and one
-subscriber's not-yet-sent events (`Outbox`). Split from deploy/server.py (the Serve deployment) by concern."""
+"""What an `EngineServer` streams: an engine's cumulative outputs turned into token deltas (`DeltaTracker`), and
+one subscriber's not-yet-sent events (`Outbox`). Split from deploy/server.py (the Serve deployment) by concern.
+No text: the ingress makes it from the token ids (deploy/output.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -18,11 +19,10 @@ class DeltaTracker:
 
     def __init__(self, first: "FirstToken | None" = None) -> None:
         self._tokens: dict[int, int] = {}
-        self._text: dict[int, int] = {}
         self._done: set[int] = set()
         self._first = True
-        if first is not None:  # decode side: the first token (and its text so far) went out from prefill
-            self._tokens[0], self._text[0], self._first = 1, first.text_len, False
+        if first is not None:  # decode side: the first token went out from prefill
+            self._tokens[0], self._first = 1, False
 
     def chunk(self, out: RequestOutput) -> EngineChunk | None:
         samples = []
@@ -30,18 +30,15 @@ class DeltaTracker:
             if comp.index in self._done:
                 continue
             n_tok = self._tokens.get(comp.index, 0)
-            n_txt = self._text.get(comp.index, 0)
             end = sent_until(comp)
             new_ids = comp.token_ids[n_tok:end]
             new_lp = None if comp.logprobs is None else [dict(d) for d in comp.logprobs[n_tok:end]]
             finished = comp.finish_reason is not None
-            if not new_ids and not finished and len(comp.text) <= n_txt:
+            if not new_ids and not finished:
                 continue
-            samples.append(SampleDelta(index=comp.index, token_ids=new_ids, text=comp.text[n_txt:],
-                                       logprobs=new_lp, finish_reason=comp.finish_reason,
-                                       stop_reason=comp.stop_reason))
+            samples.append(SampleDelta(index=comp.index, token_ids=new_ids, logprobs=new_lp,
+                                       finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
             self._tokens[comp.index] = end
-            self._text[comp.index] = len(comp.text)
             if finished:
                 self._done.add(comp.index)
         if not samples and not self._first and not out.finished:

@@ -5,6 +5,12 @@ then redirects); the tokens then come straight from the named engine replica, th
 replica shared by all this ingress replica's requests (`Subscription`, `EngineStreams`). A stream that ends early
 (the client left, the server drains) owes its engine an abort and the router a release; those run in the background.
 
+The engine streams token ids; each `Stream` makes their text as they arrive (deploy/output.py `ChunkText`: one
+detokenizer per sample, stop strings). A stop string found there ends its sample for the client at once and is
+sent to the engine replica (`EngineStreams.stop`), which stops the sample before its next step; a request whose
+stop string came before it reached an engine replica (a disaggregated first token, still at the router) is
+aborted instead when its stream closes.
+
 Every call that must outlive the HTTP request that made it (an abort, a release, a request's start, the shared
 subscription) is made `detached`: Serve cancels the calls a cancelled HTTP request made, pending or in flight, when
 the cancellation reaches its replica wrapper, so an abort sent from the request's own cleanup was cancelled in about
@@ -26,6 +32,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deploy.errors import ApiError
 from deploy.metrics_endpoint import RequestTiming
+from deploy.output import ChunkText
 from deploy.owners import this_owner
 from deploy.protocol import SSE_DONE, EngineChunk, EngineError, Redirect, sse_event
 from deploy.streaming import EventQueue
@@ -208,6 +215,16 @@ class EngineStreams:
         if ids:
             self._background(self._send(self._router.release.remote, ids), "release")
 
+    def stop(self, r: Redirect, index: int, stop: str, after: asyncio.Future | None = None) -> None:
+        """Stop sample `index` of `r` on its replica: a stop string ended it here (its later tokens are nobody's).
+        The replica finishes it as a stop string would have in the engine; its stream then ends as usual."""
+        async def send() -> None:
+            if after is not None:
+                await asyncio.wait([after])
+            await self._send(self._handle(r).stop.remote, r.request_id, index, stop)
+
+        self._background(send(), "stop")
+
     def abort(self, r: Redirect, after: asyncio.Future | None = None) -> None:
         """Abort `r` on its replica, once its start call (`after`) has answered."""
         async def abort() -> None:
@@ -243,12 +260,17 @@ class EngineStreams:
 class Stream:
     """One engine request's event stream, with its first event already received: from the router, and after a
     `Redirect` straight from the engine replica it names (`engines`). `router`: the router's answer, a stream
-    (`generate`) or a single `Redirect` / `EngineError` (`route`)."""
+    (`generate`) or a single `Redirect` / `EngineError` (`route`). `text`: makes the chunks' text (None: they
+    keep the engine's, token ids only)."""
 
-    def __init__(self, router: Any, request_id: str, engines: EngineStreams | None = None) -> None:
+    def __init__(self, router: Any, request_id: str, engines: EngineStreams | None = None,
+                 text: ChunkText | None = None) -> None:
         self.gen = router
         self.request_id = request_id
         self.engines = engines
+        self.text = text
+        self._stops: list[tuple[int, str]] = []  # stop strings found, not told to an engine replica yet
+        self._owes_abort = False  # a stop string ended the request here, and no replica could be told
         self.redirect: Redirect | None = None
         self.started: Redirect | None = None  # set once the redirected request is being started on its replica
         self.start_call: asyncio.Future | None = None  # that start call (an abort waits for its answer)
@@ -309,17 +331,34 @@ class Stream:
     async def chunks(self) -> AsyncIterator[EngineChunk]:
         """The first chunk, then the rest until the request finishes; an error event raises ApiError. What
         arrived while the caller was busy (writing SSE events) comes as one chunk."""
-        if self._last(self.first):
-            yield self.first
+        first = self._with_text(self.first)
+        if self._last(first):
+            yield first
             return
-        yield self.first
+        yield first
         # the engine's events come through an EventQueue, which hands over what piled up meanwhile as one chunk
         async for event in self._events:
+            event = self._with_text(event)
             if self._last(event):
                 yield event
                 return
             yield event
         self.done = True
+
+    def _with_text(self, event: EngineChunk | EngineError) -> EngineChunk | EngineError:
+        """`event` with its text made (in place); the stop strings found in it go to the engine replica (once the
+        request runs on one: until then they wait, and a request they end before is aborted as it closes)."""
+        if self.text is None or not isinstance(event, EngineChunk):
+            return event
+        engine_finished = event.finished
+        self._stops += self.text.apply(event)
+        if self._stops and self.started is not None:
+            for index, stop in self._stops:
+                self.engines.stop(self.started, index, stop, after=self.start_call)
+            self._stops = []
+        if event.finished and not engine_finished and self._stops:
+            self._owes_abort = True
+        return event
 
     def _last(self, event: EngineChunk | EngineError) -> bool:
         """Whether `event` ends the request (an error raises ApiError)."""
@@ -338,11 +377,11 @@ class Stream:
         ended by `end` is aborted too: the engine still runs it."""
         if self.engines is not None:
             self.engines.live.discard(self)
-        if not self.done or (self._ended is not None and not self._aborted):
+        if not self.done or (self._ended is not None and not self._aborted) or self._owes_abort:
             if not self.done:
                 self.done = True
                 self.timing.end("abort")
-            self._aborted = True
+            self._aborted, self._owes_abort = True, False
             self.gen.cancel()
             if self.started is not None:
                 self.engines.abort(self.started, after=self.start_call)

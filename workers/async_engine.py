@@ -235,6 +235,13 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id))
         self._wake.set()
 
+    def stop(self, request_id: str, index: int, stop: str) -> None:
+        """A stop string ended sample `index` of a request (its text is made outside the engine): finish it
+        with reason "stop" between steps; its stream gets that finish (no-op if the request already ended)."""
+        with self._lock:
+            self._inbox.append(("stop", request_id, index, stop))
+        self._wake.set()
+
     def stats(self) -> EngineStats:
         """The snapshot published after the latest step."""
         return self._stats
@@ -309,10 +316,11 @@ class AsyncEngine:
                 s.put(EngineDeadError(f"engine: the step thread failed: {e!r}"))
 
     def _apply_inbox(self) -> bool:
-        """Apply queued adds and aborts in arrival order. True when shutting down (everything aborted)."""
+        """Apply queued adds, stops and aborts in arrival order. True when shutting down (everything aborted)."""
         with self._lock:
             ops, self._inbox = list(self._inbox), deque()
             stopping = self._stopping
+        stopped: list[RequestOutput] = []  # outputs of samples a stop string ended (`stop`)
         for op in ops:
             if op[0] == "add":
                 _, rid, ids, params, prompt, handoff = op
@@ -351,6 +359,9 @@ class AsyncEngine:
                         why = self._failed.pop(rid, None)
                     if stream is not None:
                         stream.put(KVTransferFailed(why or str(e.args[0])))
+            elif op[0] == "stop":
+                _, rid, index, stop = op
+                stopped += self.engine.stop_sample(rid, index, stop)
             else:
                 self.engine.abort_request(op[1])
                 with self._lock:
@@ -361,7 +372,7 @@ class AsyncEngine:
                 streams, self._streams = list(self._streams.values()), {}
             for s in streams:
                 s.put(EngineDeadError("engine: shut down"))
-        self._publish([])
+        self._publish(stopped)
         return stopping
 
     def _settle_outcome(self, request_id: str, ok: bool, reason: str | None) -> None:

@@ -8,8 +8,8 @@ A step of an engine is three calls, and this module owns two of them:
 
 The core holds no executor, no text and no KV agents, so it is unit-tested with a fake executor
 (tests/workers/test_core.py) and composed as it is: `Engine` wraps one core, `DPEngine` one per dp rank around a
-single execute. Text (detokenizing, stop strings) lives above it (`workers/output.py`) and reports a stop-string
-hit back with `stop_sequence`; KV transfer state lives beside it (`workers/kv/connector.py`).
+single execute. Text (detokenizing, stop strings) is made outside the engine (the ingress, the offline `LLM`),
+and a stop-string hit comes back through `EngineAPI.stop_sample` as `stop_sequence`; KV transfer state lives beside it (`workers/kv/connector.py`).
 
 Contract:
 - `schedule()` returns None when nothing can run this step; else the batch for every chunk it picked. Exactly
@@ -190,8 +190,8 @@ class EngineCore:
         return req
 
     def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
-        """A stop string ended sample `index` (the text layer found it in this step's tokens): finish it with
-        reason "stop". A sample a length limit (or a handoff) ended in the same step takes the stop instead."""
+        """A stop string ended sample `index` (whoever makes the text found it, between steps): finish it with
+        reason "stop". A sample a length limit (or a handoff) ended in the latest step takes the stop instead."""
         t = self._tracked.get(request_id) or self._retired_now.get(request_id)
         if t is None:
             return

@@ -1,13 +1,16 @@
 """The engine API over one or more engine cores: `EngineAPI`, the base of `Engine` and `DPEngine`.
 
 An engine is a list of ranks, each an `EngineCore` (scheduler + pages + requests, workers/core.py) with its
-`KVConnector` beside it (workers/kv/), an `OutputProcessor` (text) over all of them, and something that executes
+`KVConnector` beside it (workers/kv/), an `OutputProcessor` (token ids -> cumulative outputs) over all of them, and something that executes
 every rank's batch. `Engine` (workers/engine.py) has one rank and an executor; `DPEngine` (workers/dp.py) one rank
 per attention-dp rank over one worker group. A step is the same for both:
 
     for every rank: poll its transfers; if none started a request, schedule a batch
     execute every rank's batch at once               (`_execute`, the subclass's)
-    for every rank: update (token ids) -> text -> outputs; send what the step handed off
+    for every rank: update (token ids) -> outputs; send what the step handed off
+
+Outputs carry token ids, logprobs and finish reasons, no text: whoever shows text makes it (workers/text.py)
+and reports a stop string back with `stop_sample`.
 
 A step whose execute raises fails only the requests scheduled in it (their pages freed, each reported finished
 with `RequestOutput.error`, a `StepFailedError`; a prefill's handoff reported failed); waiting requests and later
@@ -75,7 +78,7 @@ class EngineAPI:
         self.engine_config = dataclasses.replace(role_engine_config(engine_config, role), max_model_len=max_len)
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_id)))
         self.transfer_config = transfer or TransferConfig()
-        self.output = OutputProcessor(self.tokenizer)
+        self.output = OutputProcessor()
         # structured outputs: one grammar compiler (and cache) for every core, built on the first constrained
         # request; masks are as wide as the lm_head
         self.grammars = LazyCompiler(lambda: StructuredOutputCompiler(self.tokenizer, self.model_config.vocab_size))
@@ -143,6 +146,19 @@ class EngineAPI:
             self.output.drop(request_id)
         return done
 
+    def stop_sample(self, request_id: str, index: int, stop: str) -> list[RequestOutput]:
+        """A stop string ended sample `index` (found in its text, outside the engine): finish it with reason
+        "stop" (the request retires, its pages freed, once every sample finished). Returns the request's output
+        now ([] when it is not running here: unknown, finished or aborted meanwhile; nothing changes then)."""
+        rank = self._rank_of(request_id)
+        if rank is None or not rank.core.holds(request_id) or rank.kv.holds(request_id):
+            return []  # a request waiting on its KV has no tokens anyone could have read a stop string in
+        rank.core.stop_sequence(request_id, index, stop)
+        out = self.output.output(request_id)
+        if out.finished:
+            self.output.drop(request_id)
+        return [out]
+
     def abort_all(self) -> int:
         """Abort every request in flight (shutdown). Returns how many."""
         n = 0
@@ -197,8 +213,8 @@ class EngineAPI:
         return outputs
 
     def _deliver(self, rank: Rank, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """Token ids -> text and outputs; a finished request's transfer side goes on (a handoff's send)."""
-        outputs = self.output.process(rank.core, core_outputs)
+        """Token ids -> outputs; a finished request's transfer side goes on (a handoff's send)."""
+        outputs = self.output.process(core_outputs)
         for out in outputs:
             if out.finished and rank.kv.holds(out.request_id):
                 rank.kv.on_finished(rank.core, out)

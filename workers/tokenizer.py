@@ -14,10 +14,9 @@ from typing import Any, Sequence
 
 import jinja2
 import tokenizers
+from tokenizers.decoders import DecodeStream
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Replacement character: what a byte-level decode produces for an incomplete UTF-8 sequence at the end.
-_REPLACEMENT = "\ufffd"
 # Prompt tokens given to the streaming detokenizer as left context (tokenizers whose decode of a token depends
 # on its left neighbour, e.g. leading-space handling, need a few).
 _DETOKENIZE_CONTEXT_TOKENS = 5
@@ -184,48 +183,56 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns generated token ids into text deltas as they arrive, for streaming.
 
-    Each `add` decodes a short window of tokens twice, without and with the new ones, and emits the difference.
-    A window whose decode ends in U+FFFD is an incomplete UTF-8 character (byte-level BPE splits multi-byte
-    characters across tokens); those bytes are held back until a later token completes them, so no delta ever
-    holds part of a character. `flush()` at the end releases whatever is still held (as U+FFFD, the same text
-    a full decode gives), so the deltas concatenate to `tokenizer.decode(output ids)`.
+    Each token goes through `tokenizers.decoders.DecodeStream` (the Rust side keeps the decode window: one call per
+    token, no re-decoding of earlier text), seeded with the prompt's last tokens as left context (leading-space
+    handling depends on the left neighbour). A token that ends inside a UTF-8 character (byte-level BPE splits
+    multi-byte characters across tokens) yields nothing until a later token completes it, so no delta ever holds
+    part of a character. `flush()` at the end releases what is still held (as U+FFFD, the same text a full decode
+    gives), so the deltas concatenate to `tokenizer.decode(output ids)`.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_token_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
-        self._ids: list[int] = context
-        self._num_context = len(context)
-        self._prefix_offset = 0  # window start: decoded again only to measure the already-emitted text
-        self._read_offset = len(context)  # tokens before this are emitted
+        context = [int(t) for t in prompt_token_ids[-_DETOKENIZE_CONTEXT_TOKENS:]]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []  # every generated id
+        self._held: list[int] = []  # ids DecodeStream took without emitting text yet (an unfinished character)
+        self._context: list[int] = context[-1:]  # the id before the held ones (left context for `flush`)
         self.output_text = ""  # everything emitted so far
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self._ids[self._num_context:]
+        return self._ids
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _delta(self, final: bool) -> str:
-        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(emitted) or (full.endswith(_REPLACEMENT) and not final):
-            return ""  # nothing new, or the new tokens end inside a character
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        delta = full[len(emitted):]
-        self.output_text += delta
-        return delta
+    def add_one(self, token_id: int) -> str:
+        """Append one generated id; return the newly complete text (possibly "")."""
+        self._ids.append(token_id)
+        piece = self._stream.step(self.tokenizer.backend, token_id)
+        if piece is None:
+            self._held.append(token_id)
+            return ""
+        self._context = [token_id]
+        self._held.clear()
+        self.output_text += piece
+        return piece
 
     def add(self, new_ids: Sequence[int]) -> str:
         """Append generated ids; return the newly complete text (possibly "")."""
-        self._ids.extend(new_ids)
-        return self._delta(final=False)
+        return "".join([self.add_one(int(t)) for t in new_ids])
 
     def flush(self) -> str:
         """At the end of generation: release held-back bytes (rendered as U+FFFD) so text = full decode."""
-        return self._delta(final=True)
+        if not self._held:
+            return ""
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        base = decode(self._context, skip_special_tokens=skip)
+        full = decode(self._context + self._held, skip_special_tokens=skip)
+        self._held = []
+        piece = full[len(base):] if full.startswith(base) else full
+        self.output_text += piece
+        return piece
 
 
 def find_stop_string(text: str, stops: Sequence[str], new_text_start: int) -> tuple[int, str] | None:

@@ -9,6 +9,7 @@ import pytest
 from msa.config import load_config
 from msa.kv_cache import KVCache
 from workers.request import SamplingParams
+from workers.text import RequestText
 
 REPLACEMENT = "\ufffd"
 
@@ -73,13 +74,25 @@ def test_streamed_text_never_shows_a_partial_stop_string(make_llm):
     prompt = ids(25, 3)
     full = llm.generate({"prompt_token_ids": prompt}, greedy(24))[0].outputs[0]
     a, stop = _clean_substring(full.text)
-    eng.add_request("s", prompt, greedy(24, stop=(stop,)))
-    texts = []
+    params = greedy(24, stop=(stop,))
+    eng.add_request("s", prompt, params)
+    text = RequestText(llm.tokenizer, prompt, params)  # as the ingress makes it from the engine's token ids
+    texts, seen, shown = [], 0, ""
     while eng.has_unfinished():
-        texts += [o.outputs[0].text for o in eng.step()]
+        for o in eng.step():
+            assert o.outputs[0].text == ""  # the engine sends token ids only
+            comp = o.outputs[0]
+            delta = text.add(0, comp.token_ids[seen:], None, comp.finish_reason, comp.stop_reason)
+            seen = len(comp.token_ids)
+            shown += delta.text
+            texts.append(shown)
+            if delta.stop_hit:
+                assert eng.stop_sample("s", 0, stop)[0].finished  # the engine stops it before its next step
     for t in texts:  # every partial text is a prefix of the final one: the stream only grows
         assert texts[-1].startswith(t)
     assert texts[-1] == full.text[:a]
+    assert text.samples[0].finish_reason == "stop" and len(texts) < 24
+    assert {s.request_id: s.finished_reason for s in eng.pop_request_stats()}["s"] == "stop"
 
 
 def test_stop_token_ids_and_min_tokens(make_llm):
