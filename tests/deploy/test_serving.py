@@ -260,17 +260,32 @@ def test_stop_string_ends_the_completion(serve_app):
     stop = next((free[i:i + 2] for i in range(2, len(free) - 2) if free[i:i + 2].strip() and
                  free.find(free[i:i + 2]) == i), None)
     assert stop is not None, f"no usable stop string in {free!r}"
+    # The ingress finds the stop string (the engine sends token ids) and stops the request in the engine: with
+    # room for 400 tokens (~4 s here), the engine ends it with "stop" long before that, counted finished.
+    kw["max_tokens"] = 400
+    serve_app.wait_idle()
+    serve_app.pop_request_stats()
+    before = serve_app.wait_idle()[0]["counters"]
     for stream in (False, True):
         if stream:
             chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             reason = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
             assert reason == ["stop"]
+            assert chunks[-1].usage is None or chunks[-1].usage.completion_tokens < 24
         else:
-            choice = client.completions.create(**kw, stop=[stop]).choices[0]
+            resp = client.completions.create(**kw, stop=[stop])
+            choice = resp.choices[0]
             text = choice.text
             assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+            assert resp.usage.completion_tokens < 24  # up to the token that completed the stop string
         assert text == free[:free.find(stop)]
+    rows = serve_app.wait_idle()
+    after = rows[0]["counters"]
+    assert (after["finished"] - before["finished"], after["aborted"] - before["aborted"]) == (2, 0)
+    ended = serve_app.pop_request_stats()
+    assert [s.finished_reason for s in ended] == ["stop", "stop"]
+    assert all(s.generation_tokens < 400 for s in ended)
 
 
 @pytest.fixture(scope="module")
