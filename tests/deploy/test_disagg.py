@@ -108,6 +108,60 @@ def test_one_stream_starts_with_the_first_token(pd, prompts, reference):
     pd.wait_idle()
 
 
+def _usable_stop(text: str, start: int) -> str | None:
+    """A 2-character stop string of `text` first occurring at or after `start` (no replacement characters)."""
+    for a in range(start, len(text) - 1):
+        s = text[a:a + 2]
+        if "\ufffd" not in s and s.strip() and text.find(s) == a:
+            return s
+    return None
+
+
+def test_stop_strings_stop_the_decode_or_the_prefill(pd, prompts):
+    """The ingress makes the text of a disaggregated stream too: a stop string after the first token stops the
+    request on the decode replica (finished "stop" there); one inside the first token's text (prefill's, still at
+    the router) ends the request there and the router aborts it. Either way the text ends before the stop string
+    and no page stays in use."""
+    client = pd.client()
+    kw = dict(model=pd.model, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    handle("Router").pop_request_stats.remote().result()
+    seen_first = seen_later = False
+    for ids in prompts:
+        full = client.completions.create(prompt=ids, max_tokens=16, **kw).choices[0]
+        first_text = pd_decode(full.model_extra["token_ids"][:1])
+        later = _usable_stop(full.text, len(first_text) + 1)
+        in_first = _usable_stop(first_text, 0) if len(first_text) >= 2 else None
+        for stop, which in ((later, "later"), (in_first, "first")):
+            if stop is None:
+                continue
+            for stream in (False, True):
+                if stream:
+                    chunks = list(client.completions.create(prompt=ids, max_tokens=300, stop=[stop], stream=True, **kw))
+                    text = "".join(c.choices[0].text for c in chunks if c.choices)
+                    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                else:
+                    choice = client.completions.create(prompt=ids, max_tokens=300, stop=[stop], **kw).choices[0]
+                    text, reasons = choice.text, [choice.finish_reason]
+                assert text == full.text[:full.text.find(stop)] and reasons == ["stop"], (which, stop, full.text)
+            seen_first |= which == "first"
+            seen_later |= which == "later"
+        pd.wait_idle()
+        assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
+        if seen_first and seen_later:
+            break
+    assert seen_later and seen_first, "no prompt gave usable stop strings (after / inside the first token)"
+    decode = [s for s in handle("Router").pop_request_stats.remote().result() if s.role == "decode"]
+    assert decode and all(s.finished_reason in ("stop", "length", "abort") for s in decode)
+    assert sum(s.finished_reason == "stop" for s in decode) >= 2  # the later-stop requests, stopped there
+
+
+def pd_decode(ids: list[int]) -> str:
+    from workers.models import tiny_model_dir
+    from workers.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(tiny_model_dir()).decode(ids)
+
+
 def test_transfer_stats_reach_the_reporter(pd):
     """The prefill replica's EngineReporter drains `pop_transfer_stats` (bytes, seconds per transfer)."""
     prefill = handle("EngineServer-prefill-0")
