@@ -118,10 +118,11 @@ def _usable_stop(text: str, start: int) -> str | None:
 
 
 def test_stop_strings_stop_the_decode_or_the_prefill(pd, prompts):
-    """The ingress makes the text of a disaggregated stream too: a stop string after the first token stops the
-    request on the decode replica (finished "stop" there); one inside the first token's text (prefill's, still at
-    the router) ends the request there and the router aborts it. Either way the text ends before the stop string
-    and no page stays in use."""
+    """The ingress makes the text of a disaggregated stream too: a stop string after the first token, or inside
+    the first token's text (the decode replica's stream carries that token too), stops the request on the decode
+    replica (finished "stop" there, counted finished). The text ends before the stop string and no page stays
+    in use. (A first token that comes through the router, as after a retried prefill, is aborted through the
+    router instead: tests/deploy/test_output.py.)"""
     client = pd.client()
     kw = dict(model=pd.model, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
     handle("Router").pop_request_stats.remote().result()
@@ -151,8 +152,8 @@ def test_stop_strings_stop_the_decode_or_the_prefill(pd, prompts):
             break
     assert seen_later and seen_first, "no prompt gave usable stop strings (after / inside the first token)"
     decode = [s for s in handle("Router").pop_request_stats.remote().result() if s.role == "decode"]
-    assert decode and all(s.finished_reason in ("stop", "length", "abort") for s in decode)
-    assert sum(s.finished_reason == "stop" for s in decode) >= 2  # the later-stop requests, stopped there
+    assert sum(s.finished_reason == "stop" for s in decode) >= 4  # both kinds, streamed and not, stopped there
+    assert all(r["counters"]["aborted"] == 0 for r in pd.engine_stats())
 
 
 def pd_decode(ids: list[int]) -> str:

@@ -109,3 +109,47 @@ def test_engine_stop_token_is_not_a_stop_string(tokenizer):
     chunks[-1].samples[0].stop_reason = ids[-1]
     got, stops, _ = run(ChunkText(tokenizer, [], SamplingParams(max_tokens=100, stop=(last,))), chunks)
     assert (got[0]["finish"], got[0]["stop"], got[0]["text"]) == ("stop", ids[-1], "abc xyz") and stops == []
+
+
+class _RouterCall:
+    """A router stream that already sent prefill's first token (the request is not on an engine replica yet)."""
+
+    def __init__(self, events: list) -> None:
+        self._events = events
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for e in self._events:
+            yield e
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("stop_in_first", [True, False])
+def test_a_stop_before_any_engine_replica_aborts_through_the_router(tokenizer, stop_in_first):
+    """A stop string in a first token that came through the router (no replica to tell): the stream ends with it
+    and closing it cancels the router's call (the router aborts prefill and decode). A request the engine finished
+    itself is not cancelled."""
+    import asyncio
+
+    from deploy.stream import Stream
+
+    ids = tokenizer.encode("abc xyz")
+    first = chunks_of([ids], sizes=[1000], finish=None if stop_in_first else "length")[0]
+    first.finished = not stop_in_first
+    router = _RouterCall([first])
+    params = SamplingParams(max_tokens=100, stop=("xyz",) if stop_in_first else ())
+    stream = Stream(router, "r", None, ChunkText(tokenizer, [], params))
+
+    async def main():
+        await stream.receive_first()
+        return [c async for c in stream.chunks()]
+
+    got = asyncio.run(main())
+    assert len(got) == 1 and got[0].finished and got[0].samples[0].text == ("abc " if stop_in_first else "abc xyz")
+    stream.close()
+    assert router.cancelled == stop_in_first
