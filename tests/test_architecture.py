@@ -22,22 +22,26 @@ NO_FRAMEWORKS = "model and kernels stay free of serving frameworks"
 EXECUTORS_BELOW_ENGINE = "executors and shards never reach up to the engine"
 CORE_BELOW_ENGINE = "the core and attention DP never import the engine"
 CORE_PURE = "the engine core runs no model and holds no text or KV agents"
-CONTRACTS = (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS, EXECUTORS_BELOW_ENGINE, CORE_BELOW_ENGINE, CORE_PURE)
+STEP_NO_TEXT = "the engine step makes no text"
+CONTRACTS = (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS, EXECUTORS_BELOW_ENGINE, CORE_BELOW_ENGINE, CORE_PURE,
+             STEP_NO_TEXT)
 
 # A minimal tree that respects every contract: deploy -> workers -> msa -> kernels, externals only where allowed.
 CLEAN_TREE = {
     "deploy/__init__.py": "",
     "deploy/app.py": "import ray\nimport fastapi\nfrom workers import engine\n",
+    "deploy/output.py": "from workers import text\n",
     "workers/__init__.py": "",
     "workers/engine.py": "import yaml\nfrom msa import model\nfrom workers import executor, dp\n",
     "workers/engine_api.py": "from workers import core, output, executor, kv, tokenizer\n",
     "workers/dp.py": "from workers import engine_api, core\n",
     "workers/core.py": "from workers import scheduler\n",
     "workers/scheduler.py": "",
-    "workers/output.py": "from workers import core, tokenizer\n",
+    "workers/output.py": "from workers import core\n",
     "workers/tokenizer.py": "",
+    "workers/text.py": "from workers import tokenizer\n",
     "workers/async_engine.py": "from workers import engine\n",
-    "workers/llm.py": "from workers import engine\n",
+    "workers/llm.py": "from workers import engine, text\n",
     "workers/executor/__init__.py": "from workers import shard\n",
     "workers/kv/__init__.py": "",
     "workers/shard.py": "from workers import runner\n",
@@ -101,6 +105,9 @@ def test_clean_fixture_tree_passes(tmp_path):
     ("the core imports torch", {"workers/core.py": "import torch\n"}, CORE_PURE),
     ("the core drives an executor", {"workers/core.py": "from workers import executor\n"}, CORE_PURE),
     ("the core holds text", {"workers/core.py": "from workers.tokenizer import Tokenizer\n"}, CORE_PURE),
+    ("the engine makes text", {"workers/engine_api.py": "from workers import core, output, text\n"}, STEP_NO_TEXT),
+    ("the step thread makes text lazily", {"workers/async_engine.py": "def f():\n    from workers import text\n"},
+     STEP_NO_TEXT),
 ])
 def test_forbidden_import_fails_and_names_the_contract(tmp_path, case, extra, contract):
     res = lint(make_tree(tmp_path, extra))
