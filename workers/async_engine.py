@@ -3,8 +3,9 @@
 The event loop never waits for a step: `generate` validates the request on the caller's thread (so a bad
 request fails before anything is queued), hands it to the step thread through an inbox, and awaits outputs
 that the step thread pushes into a per-request `asyncio.Queue` with `call_soon_threadsafe`. Only the step thread
-touches the Engine; adds and aborts are applied between steps. Leaving the async iterator early (the client went
-away) queues an abort, which frees the request's pages before the next step.
+touches the Engine; adds, stops and aborts are applied between steps. Leaving the async iterator early (the client
+went away) queues an abort, which frees the request's pages before the next step. Outputs carry token ids, not text:
+whoever shows the text finds stop strings in it and calls `stop` (the sample finishes "stop" before the next step).
 
 Disaggregation: a prefill engine's `generate(..., handoff_to=group)` streams the first token, then
 `transfer_outcome(request_id)` tells whether its KV reached the decode group. A decode engine's

@@ -95,6 +95,23 @@ def test_streamed_text_never_shows_a_partial_stop_string(make_llm):
     assert {s.request_id: s.finished_reason for s in eng.pop_request_stats()}["s"] == "stop"
 
 
+def test_a_stop_string_ends_one_sample_the_others_go_on(make_llm):
+    """n=2, seeded: a stop string found in sample 0's text stops sample 0 in the engine (`stop_sample`); sample 1
+    runs on to its length with the very tokens it draws without the stop string."""
+    llm = make_llm(num_pages=64)
+    prompt = {"prompt_token_ids": ids(20, 7)}
+    base = dict(n=2, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True)
+    free = llm.generate(prompt, SamplingParams(**base))[0].outputs
+    a, stop = next((a, free[0].text[a:a + 2]) for a in range(2, len(free[0].text) - 2)
+                   if REPLACEMENT not in free[0].text[a:a + 2] and free[0].text.find(free[0].text[a:a + 2]) == a
+                   and free[0].text[a:a + 2] not in free[1].text and free[0].text[a:a + 2].strip())
+    out = llm.generate(prompt, SamplingParams(**base, stop=(stop,)))[0].outputs
+    assert (out[0].text, out[0].finish_reason, out[0].stop_reason) == (free[0].text[:a], "stop", stop)
+    assert out[0].token_ids == free[0].token_ids[:len(out[0].token_ids)] and len(out[0].token_ids) < 24
+    assert (out[1].token_ids, out[1].text, out[1].finish_reason) == (free[1].token_ids, free[1].text, "length")
+    assert [s.finished_reason for s in llm.engine.pop_request_stats()][-1] == "stop"
+
+
 def test_stop_token_ids_and_min_tokens(make_llm):
     llm = make_llm(num_pages=64)
     prompt = {"prompt_token_ids": ids(30, 5)}
