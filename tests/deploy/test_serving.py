@@ -288,6 +288,27 @@ def test_stop_string_ends_the_completion(serve_app):
     assert all(s.generation_tokens < 400 for s in ended)
 
 
+def test_stop_string_in_one_choice_stops_only_that_one(serve_app):
+    """n=2, seeded: the stop string of choice 0 ends choice 0 (the ingress tells the engine to stop that sample);
+    choice 1 runs on to its length with the very text it has without the stop string."""
+    client = serve_app.client()
+    kw = dict(model=serve_app.model, prompt="Two ways", max_tokens=24, temperature=1.0, n=2, seed=5,
+              extra_body={"ignore_eos": True})
+    free = sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+    a, b = free[0].text, free[1].text
+    stop = next((a[i:i + 2] for i in range(2, len(a) - 2) if a[i:i + 2].strip() and "\ufffd" not in a[i:i + 2]
+                 and a.find(a[i:i + 2]) == i and a[i:i + 2] not in b), None)
+    assert stop is not None, f"no usable stop string in {a!r} (not in {b!r})"
+    serve_app.wait_idle()
+    serve_app.pop_request_stats()
+    got = sorted(client.completions.create(**kw, stop=[stop]).choices, key=lambda c: c.index)
+    assert (got[0].text, got[0].finish_reason, got[0].model_extra["stop_reason"]) == (a[:a.find(stop)], "stop", stop)
+    assert (got[1].text, got[1].finish_reason) == (b, "length")
+    rows = serve_app.wait_idle()
+    assert rows[0]["stats"]["num_pages_free"] == rows[0]["stats"]["num_pages_total"]
+    assert [s.finished_reason for s in serve_app.pop_request_stats()] == ["stop"]  # the engine heard of it
+
+
 @pytest.fixture(scope="module")
 def two_replica_app(serve_app):
     cfg = {**serve_app.config, "api_key": None, "unified": {**serve_app.config["unified"], "replicas": 2}}
