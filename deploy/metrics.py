@@ -40,7 +40,7 @@ logger = logging.getLogger("m3serve.metrics")
 
 __all__ = [
     "LABELS", "METRICS", "MetricSpec", "REGISTERED_PREFIX", "EXPORT_PREFIX", "spec", "exported_name",
-    "request_observations", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
+    "request_observations", "INGRESS_METRICS", "ROUTER_METRICS", "INGRESS", "ROUTER", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
 ]
 
 REGISTERED_PREFIX = "m3serve_"  # what deploy/ registers with the backend
@@ -141,6 +141,35 @@ METRICS: tuple[MetricSpec, ...] = (
     _c("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
 )
 _BY_NAME = {m.name: m for m in METRICS}
+
+# The ingress's client-visible series (deploy/metrics_endpoint.py IngressMetrics records them).
+INGRESS_METRICS = (
+    _h("ingress_time_to_first_token_seconds", "HTTP request's arrival at the ingress to its first engine event "
+       "(what a client sees, routing and queues included).", _TTFT_BUCKETS),
+    _h("ingress_e2e_request_latency_seconds", "HTTP request's arrival at the ingress to its last engine event.",
+       _REQUEST_PHASE_BUCKETS),
+    _c("ingress_requests", "Engine requests the ingress ended, by outcome (finished, abort, error).", ("outcome",)),
+)
+INGRESS = {m.name: m for m in INGRESS_METRICS}
+
+# The router's own series (deploy/metrics_endpoint.py RouterMetrics records them).
+_ENGINE_REPLICA = ("engine_role", "engine_replica")
+ROUTER_METRICS = (
+    _c("router_requests", "Requests this router placed on each engine replica (a disaggregated request counts on "
+       "its prefill and its decode replica; a retried prefill twice).", _ENGINE_REPLICA),
+    MetricSpec(name="router_inflight_requests", kind="gauge", extra_labels=_ENGINE_REPLICA,
+               description="Requests this router counts in flight on each engine replica (its load signal)."),
+    _c("router_pd_handoffs", "Disaggregated requests by what became of the prefill -> decode handoff: ok, "
+       "transfer_failed, refused (no decode room, a prefill refusal), finished_at_prefill (the first token ended "
+       "it).", ("outcome",)),
+    _c("router_orphans_aborted", "Direct streams whose ingress replica died holding them: aborted on their engine "
+       "replica and no longer counted in flight."),
+    MetricSpec(name="router_kv_pair_generation", kind="gauge", extra_labels=("pair",),
+               description="Generation of each KV pair (prefill-i->decode-j) when last opened; it grows when a pair is "
+               "re-wired."),
+    _g("router_kv_pairs_unwired", "KV pairs missing now (an end restarted; /health is not ready while > 0)."),
+)
+ROUTER = {m.name: m for m in ROUTER_METRICS}
 
 
 def spec(name: str) -> MetricSpec:

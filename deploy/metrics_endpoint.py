@@ -35,8 +35,8 @@ import re
 import time
 from typing import Any, Iterable
 
-from deploy.metrics import (REGISTERED_PREFIX, MetricSpec, PrometheusClientSink, RayMetricsSink, Sink, _c, _g, _h,
-                            _REQUEST_PHASE_BUCKETS, _TTFT_BUCKETS)
+from deploy.metrics import (INGRESS, INGRESS_METRICS, REGISTERED_PREFIX, ROUTER, ROUTER_METRICS, MetricSpec,
+                            PrometheusClientSink, RayMetricsSink, Sink)
 
 logger = logging.getLogger("m3serve.metrics")
 
@@ -119,16 +119,7 @@ def replica_sinks(role: str, *, ray: bool = True) -> tuple[TeeSink, ReplicaExpor
     return TeeSink(*sinks, export.sink), export
 
 
-# -- client-visible latency, measured at the ingress ----------------------------------------------------------
-INGRESS_METRICS = (
-    _h("ingress_time_to_first_token_seconds", "HTTP request's arrival at the ingress to its first engine event "
-       "(what a client sees, routing and queues included).", _TTFT_BUCKETS),
-    _h("ingress_e2e_request_latency_seconds", "HTTP request's arrival at the ingress to its last engine event.",
-       _REQUEST_PHASE_BUCKETS),
-    _c("ingress_requests", "Engine requests the ingress ended, by outcome (finished, abort, error).", ("outcome",)),
-)
-_INGRESS = {m.name: m for m in INGRESS_METRICS}
-
+# -- client-visible latency, measured at the ingress (the specs: deploy/metrics.py INGRESS_METRICS) -----------
 _ARRIVAL: contextvars.ContextVar[float | None] = contextvars.ContextVar("m3serve_arrival", default=None)
 
 
@@ -173,7 +164,7 @@ class IngressMetrics:
         self.export = PrometheusClientSink(name_of=lambda s: REGISTERED_PREFIX + s.name)
         self.sink = TeeSink(RayMetricsSink(), self.export) if ray else TeeSink(self.export)
         for outcome in INGRESS_OUTCOMES:  # every replica shows from its start, with or without requests
-            self.export.touch(_INGRESS["ingress_requests"], {**self.labels, "outcome": outcome})
+            self.export.touch(INGRESS["ingress_requests"], {**self.labels, "outcome": outcome})
 
     @classmethod
     def install(cls, model_name: str, replica: str | None = None, *, ray: bool = True) -> "IngressMetrics":
@@ -191,36 +182,17 @@ class IngressMetrics:
 
     def record(self, ttft: float | None, e2e: float | None, outcome: str) -> None:
         try:
-            self.sink.inc(_INGRESS["ingress_requests"], 1, {**self.labels, "outcome": outcome})
+            self.sink.inc(INGRESS["ingress_requests"], 1, {**self.labels, "outcome": outcome})
             if outcome == "finished":  # like the engines': latencies only of requests that finished
                 if ttft is not None:
-                    self.sink.observe(_INGRESS["ingress_time_to_first_token_seconds"], ttft, self.labels)
+                    self.sink.observe(INGRESS["ingress_time_to_first_token_seconds"], ttft, self.labels)
                 if e2e is not None:
-                    self.sink.observe(_INGRESS["ingress_e2e_request_latency_seconds"], e2e, self.labels)
+                    self.sink.observe(INGRESS["ingress_e2e_request_latency_seconds"], e2e, self.labels)
         except Exception:  # metrics must never fail a request
             logger.exception("ingress metrics")
 
 
-# -- the router's own series ----------------------------------------------------------------------------------
-_ENGINE = ("engine_role", "engine_replica")
-ROUTER_METRICS = (
-    _c("router_requests", "Requests this router placed on each engine replica (a disaggregated request counts on "
-       "its prefill and its decode replica; a retried prefill twice).", _ENGINE),
-    MetricSpec(name="router_inflight_requests", kind="gauge", extra_labels=_ENGINE,
-               description="Requests this router counts in flight on each engine replica (its load signal)."),
-    _c("router_pd_handoffs", "Disaggregated requests by what became of the prefill -> decode handoff: ok, "
-       "transfer_failed, refused (no decode room, a prefill refusal), finished_at_prefill (the first token ended "
-       "it).", ("outcome",)),
-    _c("router_orphans_aborted", "Direct streams whose ingress replica died holding them: aborted on their engine "
-       "replica and no longer counted in flight."),
-    MetricSpec(name="router_kv_pair_generation", kind="gauge", extra_labels=("pair",),
-               description="Generation of each KV pair (prefill-i->decode-j) when last opened; it grows when a pair is "
-               "re-wired."),
-    _g("router_kv_pairs_unwired", "KV pairs missing now (an end restarted; /health is not ready while > 0)."),
-)
-_ROUTER = {m.name: m for m in ROUTER_METRICS}
-
-
+# -- the router's own series (the specs: deploy/metrics.py ROUTER_METRICS) ------------------------------------
 class RouterMetrics:
     """One router replica's series (`m3serve_router_*`, role `router`, replica = its Serve replica tag), in its own
     registry and Ray's. The gauges are set from the router's state each time the families are collected."""
@@ -234,24 +206,24 @@ class RouterMetrics:
         return {**self.labels, "engine_role": key[0], "engine_replica": str(key[1])}
 
     def routed(self, key: tuple[str, int]) -> None:
-        self._safely(self.sink.inc, _ROUTER["router_requests"], 1, self._engine(key))
+        self._safely(self.sink.inc, ROUTER["router_requests"], 1, self._engine(key))
 
     def handoff(self, outcome: str) -> None:
-        self._safely(self.sink.inc, _ROUTER["router_pd_handoffs"], 1, {**self.labels, "outcome": outcome})
+        self._safely(self.sink.inc, ROUTER["router_pd_handoffs"], 1, {**self.labels, "outcome": outcome})
 
     def orphans_aborted(self, count: int) -> None:
-        self._safely(self.sink.inc, _ROUTER["router_orphans_aborted"], count, self.labels)
+        self._safely(self.sink.inc, ROUTER["router_orphans_aborted"], count, self.labels)
 
     def families(self, inflight: dict[tuple[str, int], int], pairs: dict[str, int], unwired: int) -> list:
         """The registry's families after setting the gauges from `inflight` (per engine replica), `pairs` (open
         pair -> generation) and `unwired` (pairs missing)."""
         for key, count in inflight.items():
-            self.export.touch(_ROUTER["router_requests"], self._engine(key))
-            self._safely(self.sink.set, _ROUTER["router_inflight_requests"], count, self._engine(key))
+            self.export.touch(ROUTER["router_requests"], self._engine(key))
+            self._safely(self.sink.set, ROUTER["router_inflight_requests"], count, self._engine(key))
         for pair, gen in pairs.items():
-            self._safely(self.sink.set, _ROUTER["router_kv_pair_generation"], gen, {**self.labels, "pair": pair})
+            self._safely(self.sink.set, ROUTER["router_kv_pair_generation"], gen, {**self.labels, "pair": pair})
         if pairs or unwired:
-            self._safely(self.sink.set, _ROUTER["router_kv_pairs_unwired"], unwired, self.labels)
+            self._safely(self.sink.set, ROUTER["router_kv_pairs_unwired"], unwired, self.labels)
         return list(self.export.registry.collect())
 
     @staticmethod

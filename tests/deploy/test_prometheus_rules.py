@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from deploy.metrics import METRICS, EngineMetrics, spec
-from deploy.metrics_endpoint import (INGRESS_METRICS, IngressMetrics, exposition, merge_families, own_name,
-                                     replica_sinks)
+from deploy.metrics import INGRESS_METRICS
+from deploy.metrics_endpoint import IngressMetrics, exposition, merge_families, own_name, replica_sinks
 from tests.deploy.promhelp import (
     DASHBOARD, METRIC_NAME_RE, RULE_TESTS, RULES, Prometheus, dashboard_queries, has_finite_value,
 )
