@@ -15,8 +15,9 @@ unreachable GCS) is not, so no live request is ever aborted on a doubt.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from typing import Iterable
+from typing import Awaitable, Callable, Hashable, Iterable, Mapping
 
 logger = logging.getLogger("m3serve.router")
 
@@ -24,6 +25,18 @@ OWNER_CHECK_S = 1.0  # how often the router looks whether the ingress replicas i
 LOOKUP_TIMEOUT_S = 5.0  # a lookup that takes longer proves nothing (counted alive this round)
 
 Owner = tuple[str, str]  # (Ray namespace, actor name) of an ingress replica
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A direct stream the router counts on engine replica `key` until its ingress releases it: the engine
+    replica's request id (to abort it there if `owner`, the ingress replica reading it, dies first) and since
+    when."""
+
+    key: Hashable
+    since: float
+    engine_rid: str
+    owner: Owner | None
 
 
 def this_owner() -> Owner | None:
@@ -71,3 +84,25 @@ async def gone(owners: Iterable[Owner]) -> set[Owner]:
 
     results = await asyncio.gather(*(one(o) for o in owners))
     return {o for o, dead in zip(owners, results) if dead}
+
+
+async def watch(held: Mapping[str, Held], release: Callable[[str], None],
+                abort: Callable[[Hashable, str], Awaitable[None]], orphaned: Callable[[int], None]) -> None:
+    """While `held` (the router's direct streams, by request id) is not empty: every `OWNER_CHECK_S`, release
+    every stream whose owner died and `abort` it on its engine replica (it would never be released, and its engine
+    would run it on to its max_tokens); `orphaned(n)` counts them."""
+    while held:
+        await asyncio.sleep(OWNER_CHECK_S)
+        try:
+            owners = {h.owner for h in held.values() if h.owner is not None}
+            dead = await gone(owners) if owners else set()
+            orphans = [(rid, h) for rid, h in list(held.items()) if h.owner in dead]
+            for rid, _ in orphans:
+                release(rid)
+            if orphans:
+                orphaned(len(orphans))
+                logger.warning("ingress replica(s) %s died holding %d stream(s): aborted",
+                               sorted(o[1] for o in dead), len(orphans))
+            await asyncio.gather(*(abort(h.key, h.engine_rid) for _, h in orphans))
+        except Exception:  # noqa: BLE001 - the next round tries again
+            logger.exception("ingress replica watch")

@@ -8,6 +8,7 @@ place of `EngineServer`, `Router` and `Ingress`. The deployments keep their name
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from ray import serve
@@ -15,11 +16,13 @@ from ray.serve import Application
 
 from deploy.app import wire_app
 from deploy.ingress import Ingress
+from deploy.pd import Phase
 from deploy.router import Router
 from deploy.server import EngineServer
 
-# router-side faults (transfer faults live on prefill replicas): hold a relayed request between its first token
-# and the decode stream for PAUSE_S (the client leaves meanwhile) or DELAY_S (the decode runs ahead unattended)
+# router-side faults (transfer faults live on prefill replicas): hold a request as it enters its DECODE phase
+# (deploy/pd.py; on the first-token path, after the first token went out) for PAUSE_S (the client leaves
+# meanwhile) or DELAY_S (the decode runs ahead unattended)
 FAULT_KINDS = ("pause_before_decode", "delay_before_decode")
 PAUSE_S = 120.0
 DELAY_S = 0.5
@@ -69,12 +72,13 @@ class DrillEngineServer(EngineServer.func_or_class):
 
 @serve.deployment(max_ongoing_requests=4096)
 class DrillRouter(Router.func_or_class):
-    """A `Router` that pauses chosen requests before their decode stream, and whose retry switch and admission
-    wait can be changed while it runs."""
+    """A `Router` that pauses chosen requests before their decode stream (through the handoff's `on_phase`
+    seam), and whose retry switch and admission wait can be changed while it runs."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._faults: dict[str, str] = {}
+        self._pd.on_phase = self._hold_before_decode
 
     async def pid(self) -> int:
         """This replica's process id (a test kills it as `kill -9` would)."""
@@ -89,14 +93,13 @@ class DrillRouter(Router.func_or_class):
         if bad:
             raise ValueError(f"faults: unknown kinds {bad}; known {FAULT_KINDS}")
         self._faults = dict(faults)
-        if retry_prefill is not None:
-            self._retry_prefill = retry_prefill
-        if admit_wait_s is not None:
-            self._admit_wait_s = admit_wait_s
+        changes = {k: v for k, v in (("retry_prefill", retry_prefill), ("admit_wait_s", admit_wait_s))
+                   if v is not None}
+        self._pd.config = dataclasses.replace(self._pd.config, **changes)
 
-    async def _before_decode(self, request_id: str) -> None:
+    async def _hold_before_decode(self, request_id: str, phase: Phase) -> None:
         fault = self._faults.get(request_id)
-        if fault in FAULT_KINDS:
+        if phase is Phase.DECODE and fault in FAULT_KINDS:
             await asyncio.sleep(PAUSE_S if fault == "pause_before_decode" else DELAY_S)
 
 

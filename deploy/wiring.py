@@ -10,8 +10,9 @@ dead step thread, a failed health check) comes back under the same deployment na
 survivor still holds the dead pair. Each `EngineServer` has an instance id (new per process) in its `ready()`
 answer; the wiring records both ends' ids when it opens a pair, and a pair whose ends changed (or went down) is
 dropped on the side that is still there and opened again, at the next generation, as soon as both ends are ready.
-The router runs that check every `WATCH_S` (`Router` starts the watchdog), on every `/health` probe (`ready`) and
-when a replica answers `kv_unwired` (a request reached it before the watchdog did). `wired` is False while any
+The router runs that check every `WATCH_S` (`start_watchdog`, from its first disaggregated request or `/health`
+probe on), on every `/health` probe (`ready`) and when a replica answers `kv_unwired` (a request reached it before
+the watchdog did: `rewire_now`). `wired` is False while any
 pair is missing: `/health` is not ready then.
 """
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Wiring:
         # latest known instance id of each replica while it is ready (None: down, loading or unreachable)
         self._instances: dict[ReplicaKey, str | None] = {}
         self._lock: asyncio.Lock | None = None
+        self._watchdog: asyncio.Task | None = None
 
     # -- what is open ---------------------------------------------------------------------------------------
     def group(self, key: ReplicaKey, gen: int) -> str:
@@ -51,9 +53,17 @@ class Wiring:
         return f"{key[0]}-{key[1]}#{self._id}.{gen}"
 
     def want(self) -> list[PairKey]:
-        prefills = [k for k in self._engines if k[0] == "prefill"]
-        decodes = [k for k in self._engines if k[0] == "decode"]
-        return [(p, d) for p in prefills for d in decodes]
+        return [(p, d) for p in self.prefills() for d in self._role("decode")]
+
+    def prefills(self) -> list[ReplicaKey]:
+        return self._role("prefill")
+
+    def decodes_of(self, p: ReplicaKey) -> list[ReplicaKey]:
+        """The decode replicas prefill replica `p` has an open pair with."""
+        return [d for d in self._role("decode") if (p, d) in self._gens]
+
+    def _role(self, role: str) -> list[ReplicaKey]:
+        return [k for k in self._engines if k[0] == role]
 
     def generation(self, p: ReplicaKey, d: ReplicaKey) -> int | None:
         """The open pair's generation; None while it is not wired."""
@@ -114,6 +124,31 @@ class Wiring:
             ready = [pair for pair in stale if all(self._instances.get(k) for k in pair)]
             results = await asyncio.gather(*(self._open(*pair) for pair in ready), return_exceptions=True)
         return [(pair, res) for pair, res in zip(ready, results) if isinstance(res, BaseException)]
+
+    async def ensure_logged(self, wait: bool = True) -> None:
+        """`ensure`, logging the openings that failed."""
+        for pair, err in await self.ensure(wait):
+            logger.warning("opening KV pair %s -> %s failed: %r", *pair, err)
+
+    async def rewire_now(self) -> None:
+        """A replica answered `kv_unwired` (it or its peer restarted, and the watchdog has not seen it yet)."""
+        await self.probe()
+        await self.ensure_logged()
+
+    def start_watchdog(self) -> None:
+        """From now on, every `WATCH_S`, ask who the replicas are and re-wire the pairs of one that restarted,
+        traffic or not (once per router; a call while it runs changes nothing)."""
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self.probe()
+                await self.ensure_logged()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                logger.exception("KV pair watchdog")
+            await asyncio.sleep(WATCH_S)
 
     async def _open(self, p: ReplicaKey, d: ReplicaKey) -> None:
         pair = (p, d)
