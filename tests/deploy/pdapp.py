@@ -56,3 +56,28 @@ async def greedy_completions(app, prompts: list[list[int]], max_tokens: list[int
             for p, k in zip(prompts, max_tokens)))
     finally:
         await client.close()
+
+
+def follow(redirect) -> list:
+    """The events of the engine replica stream a `Redirect` names, read as the ingress reads it."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle(redirect.deployment, app_name=redirect.app_name)
+    return list(getattr(engine.options(stream=True), redirect.method).remote(*redirect.args))
+
+
+def run_direct(router, req) -> list:
+    """What the ingress does with a request (minus HTTP): the router's events up to its `Redirect`, then the
+    stream on the engine replica it names, then `release` at the router."""
+    from deploy.protocol import Redirect
+
+    events: list = []
+    for event in router.options(stream=True).generate.remote(req, True):
+        if not isinstance(event, Redirect):
+            events.append(event)
+            continue
+        try:
+            events += follow(event)
+        finally:
+            router.release.remote(event.release_id).result()
+    return events

@@ -1,15 +1,15 @@
 """Direct streams (what the ingress does): `Router.generate(req, direct=True)` decides and orchestrates, then hands
 the token stream over with a `Redirect` to the engine replica that produces it; the router counts the request on
 that replica until `release`. Unified: the redirect comes at once; disaggregated: at once too, to the decode
-replica (which streams the first token as well, from the KV header). The tokens read from the named replica equal
-the relayed stream's."""
+replica (which streams the first token as well, from the KV header). The router relays no token stream. The
+tokens read from the named replica equal the unified app's (reached through `route`)."""
 from __future__ import annotations
 
 import random
 import time
 
 from deploy.protocol import EngineChunk, EngineRequest, Redirect
-from tests.deploy.pdapp import handle as pd_handle, pages_in_use, pd_app
+from tests.deploy.pdapp import follow, handle as pd_handle, pages_in_use, pd_app
 from workers.request import SamplingParams
 
 PROMPT = [random.Random(8).randrange(3, 384) for _ in range(40)]
@@ -28,17 +28,22 @@ def inflight(app) -> dict[str, int]:
     return {f"{r['role']}-{r['replica']}": r["inflight"] for r in app.engine_stats()}
 
 
-def follow(redirect: Redirect) -> list:
-    from ray import serve
-
-    engine = serve.get_deployment_handle(redirect.deployment, app_name=redirect.app_name)
-    return list(getattr(engine.options(stream=True), redirect.method).remote(*redirect.args))
+def unified(serve_app, req: EngineRequest) -> list[int]:
+    """`req`'s tokens from the unified app, through `route` (the reference the other paths must equal)."""
+    router = serve_app.router()
+    redirect = router.route.remote(req).result()
+    try:
+        return tokens(follow(redirect))
+    finally:
+        router.release.remote(redirect.release_id).result()
 
 
 def test_unified_redirects_at_once_and_counts_until_released(serve_app):
     serve_app.wait_idle()
     router = serve_app.router()
-    relayed = tokens(list(router.options(stream=True).generate.remote(request("relayed"))))
+    want = unified(serve_app, request("routed-ref"))
+    (refused,) = list(router.options(stream=True).generate.remote(request("relay"), False))
+    assert refused.status == 500 and "relays no token stream" in refused.message  # the relay mode is gone
     events = list(router.options(stream=True).generate.remote(request("direct"), True))
     assert len(events) == 1 and isinstance(events[0], Redirect)
     r = events[0]
@@ -46,7 +51,7 @@ def test_unified_redirects_at_once_and_counts_until_released(serve_app):
                                                                     "direct")
     assert inflight(serve_app) == {"unified-0": 1}  # counted on its replica while the ingress streams it
     got = follow(r)
-    assert tokens(got) == relayed and got[-1].finished
+    assert tokens(got) == want and got[-1].finished
     router.release.remote("direct").result()
     router.release.remote("direct").result()  # a second release (a cancel racing the end) changes nothing
     assert inflight(serve_app) == {"unified-0": 0}
@@ -59,13 +64,13 @@ def test_disaggregated_redirects_to_decode_before_the_prefill_runs(serve_app):
     pd = pd_app(serve_app)
     pd.wait_idle()
     router = pd_handle("Router")
-    relayed = tokens(list(router.options(stream=True).generate.remote(request("pd-relayed"))))
+    want = unified(serve_app, request("pd-ref"))
     events = list(router.options(stream=True).generate.remote(request("pd-direct"), True))
     assert [type(e) for e in events] == [Redirect]
     r = events[0]
     assert (r.deployment, r.method, r.request_id) == ("EngineServer-decode-0", "decode", "pd-direct")
     got = follow(r)
-    assert tokens(got) == relayed and got[-1].finished and got[0].prompt_token_ids == PROMPT
+    assert tokens(got) == want and got[-1].finished and got[0].prompt_token_ids == PROMPT
     router.release.remote("pd-direct").result()
     pd.wait_idle()
     assert inflight(pd) == {"prefill-0": 0, "decode-0": 0}
@@ -79,7 +84,7 @@ def test_decode_first_streams_end_with_what_the_prefill_answered(serve_app):
     pd = pd_app(serve_app)
     pd.wait_idle()
     router = pd_handle("Router")
-    want = tokens(list(router.options(stream=True).generate.remote(request("pd-one-relayed", 1))))
+    want = unified(serve_app, request("pd-one-ref", 1))
     (r,) = list(router.options(stream=True).generate.remote(request("pd-one", 1), True))
     got = follow(r)
     assert len(got) == 1 and got[0].finished and tokens(got) == want and got[0].prompt_token_ids == PROMPT
@@ -102,7 +107,7 @@ def test_decode_first_streams_end_with_what_the_prefill_answered(serve_app):
     pd.wait_idle()
     assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
     assert tokens(follow(list(router.options(stream=True).generate.remote(request("pd-after"), True))[0])) == \
-        tokens(list(router.options(stream=True).generate.remote(request("pd-after-relayed"))))
+        unified(serve_app, request("pd-after-ref"))
     router.release.remote("pd-after").result()
 
 
@@ -144,15 +149,14 @@ def counters(serve_app) -> dict:
 
 def test_a_subscription_carries_every_request_started_on_it(serve_app):
     """Two requests started for one subscriber: `start` answers None (started), and all of both comes through
-    the one subscription stream, first tokens included, equal to their relayed streams."""
+    the one subscription stream, first tokens included, equal to their routed streams."""
     serve_app.wait_idle()
-    router = serve_app.router()
     reqs = [request("sub-a", 12), EngineRequest(request_id="sub-b", prompt_token_ids=PROMPT[:17],
                                                 params=SamplingParams(temperature=0.0, max_tokens=9,
                                                                       ignore_eos=True))]
-    want = {r.request_id: tokens(list(router.options(stream=True).generate.remote(
-        EngineRequest(request_id=r.request_id + "-relayed", prompt_token_ids=r.prompt_token_ids,
-                      params=r.params)))) for r in reqs}
+    want = {r.request_id: unified(serve_app, EngineRequest(request_id=r.request_id + "-ref",
+                                                           prompt_token_ids=r.prompt_token_ids, params=r.params))
+            for r in reqs}
     server = engine(serve_app)
     sub = server.options(stream=True).subscribe.remote("test-subscriber")
     assert next(sub) == []  # subscribed

@@ -1,8 +1,10 @@
 """Disaggregation under faults, on the shared disaggregated Serve app (tests/deploy/pdapp.py). Faults are
 keyed by request id: transfer faults on the prefill replica's channel (FaultyChannel), a pause in the router
-between prefill and decode, pages taken out of the decode pool. Requests go through the Router deployment's
-handle with chosen ids (what the ingress does, minus HTTP); cancelling the stream is what the ingress does when
-the client disconnects. Each case ends in a clear response, and afterwards both sides hold zero pages."""
+as a request enters its decode phase, pages taken out of the decode pool. Requests go through the Router
+deployment's handle with chosen ids and follow its `Redirect` to the decode replica (what the ingress does, minus
+HTTP), by either path (deploy/pd.py): decode-first (the default) or first-token (here: prompt logprobs asked, so
+the first token comes back through the router before the redirect). Cancelling the stream is what the ingress
+does when the client disconnects. Each case ends in a clear response, and afterwards both sides hold zero pages."""
 from __future__ import annotations
 
 import random
@@ -13,7 +15,7 @@ import openai
 import pytest
 
 from deploy.protocol import EngineChunk, EngineError, EngineRequest
-from tests.deploy.pdapp import handle, pages_in_use, pd_app
+from tests.deploy.pdapp import handle, pages_in_use, pd_app, run_direct
 from workers.request import SamplingParams
 
 PROMPT = [random.Random(5).randrange(3, 384) for _ in range(90)]
@@ -27,13 +29,16 @@ def pd(serve_app):
     handle("Router").inject_faults.remote({}, retry_prefill=False).result()
 
 
-def request(rid: str, max_tokens: int = 5) -> EngineRequest:
+def request(rid: str, max_tokens: int = 5, first_token: bool = False) -> EngineRequest:
+    """`first_token`: ask prompt logprobs, which the prefill computes, so the first token comes back through the
+    router (the first-token path) instead of from the KV header on the decode replica (decode-first)."""
     return EngineRequest(request_id=rid, prompt_token_ids=PROMPT,
-                         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                         params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                               prompt_logprobs=0 if first_token else None))
 
 
-def run(rid: str, max_tokens: int = 5) -> list:
-    return list(handle("Router").options(stream=True).generate.remote(request(rid, max_tokens)))
+def run(rid: str, max_tokens: int = 5, first_token: bool = False) -> list:
+    return run_direct(handle("Router"), request(rid, max_tokens, first_token))
 
 
 def tokens(events: list) -> list[int]:
@@ -53,18 +58,20 @@ def healthy(pd) -> list[int]:
     return tokens(events)
 
 
+@pytest.mark.parametrize("first_token", [False, True], ids=["decode_first", "first_token"])
 @pytest.mark.parametrize("kind, says", [
     ("corrupt_header", "header mismatch"),  # the decode side refuses the payload: the pair stays in step
     ("peer_gone", "peer_gone"),  # the prefill side cannot reach its peer: the pair is replaced
     ("drop_payload", "timeout"),  # prefill goes silent mid-transfer (a dead peer): both time out, pair replaced
 ])
-def test_transfer_failure_is_a_503_and_frees_both_sides(pd, healthy, kind, says):
-    rid = f"fault-{kind}"
+def test_transfer_failure_is_a_503_and_frees_both_sides(pd, healthy, kind, says, first_token):
+    rid = f"fault-{kind}-{first_token}"
     handle("EngineServer-prefill-0").inject_transfer_faults.remote({rid: kind}).result()
     before = handle("Router").pairs.remote().result()
-    events = run(rid)
-    # the first token reached the client before the transfer failed; then one clear error ends the stream
-    assert tokens(events) == healthy[:1]
+    events = run(rid, first_token=first_token)
+    # first-token path: the first token reached the client before the transfer failed; decode-first: no token
+    # did (the decode replica had none to send); then one clear error ends the stream
+    assert tokens(events) == (healthy[:1] if first_token else [])
     err = events[-1]
     assert isinstance(err, EngineError) and err.status == 503 and err.code == "kv_transfer_failed", err
     assert says in err.message
@@ -79,7 +86,7 @@ def test_transfer_failure_is_a_503_and_frees_both_sides(pd, healthy, kind, says)
         time.sleep(0.05)
     assert [after[k] - before[k] for k in before] == [int(replaced)]
     # and the next request goes through (over the new pair where the old one broke)
-    assert tokens(run(f"after-{kind}")) == healthy
+    assert tokens(run(f"after-{kind}-{first_token}")) == healthy
     assert_clean(pd)
 
 
@@ -97,7 +104,7 @@ def test_retry_prefill_recovers_a_failed_transfer(pd, healthy):
 
 def test_client_gone_between_prefill_and_decode(pd, healthy):
     handle("Router").inject_faults.remote({"gone": "pause_before_decode"}).result()
-    stream = handle("Router").options(stream=True).generate.remote(request("gone", max_tokens=400))
+    stream = handle("Router").options(stream=True).generate.remote(request("gone", 400, first_token=True), True)
     first = next(iter(stream))
     assert isinstance(first, EngineChunk) and first.samples[0].token_ids == healthy[:1]
     # the KV lands on the decode side (prefill's pages freed) and decoding starts there, though nobody streams it
@@ -120,8 +127,9 @@ def test_decode_runs_ahead_of_a_late_stream(pd, healthy):
                                            "ahead-60": "delay_before_decode"}).result()
     since = time.time()
     try:
-        assert tokens(run("ahead-5")) == healthy  # finished on decode before its stream came
-        assert tokens(run("ahead-60", max_tokens=60)) == want
+        # first-token path: the hold comes after the first token, so the KV is on its way while it lasts
+        assert tokens(run("ahead-5", first_token=True)) == healthy  # finished on decode before its stream came
+        assert tokens(run("ahead-60", max_tokens=60, first_token=True)) == want
     finally:
         handle("Router").inject_faults.remote({}).result()
     timeline = handle("EngineServer-decode-0").debug_timeline.remote(since).result()
