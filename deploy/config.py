@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from workers.config import EngineConfig, ParallelConfig, Role
 from workers.configio import ConfigError, from_dict, read_yaml
+from workers.kv.config import TransferConfig  # the one transfer config: engines and router read it as it is
 
 __all__ = ["GroupConfig", "TransferConfig", "HttpConfig", "ServeConfig", "load_serve_config", "ConfigError", "Role"]
 
@@ -41,33 +42,6 @@ class GroupConfig:
     @property
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, ep=self.ep, dp=self.dp)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TransferConfig:
-    """KV transfer between prefill and decode groups (disaggregation)."""
-
-    timeout_s: float = 30.0  # a transfer not done by then fails the request
-    lease_s: float = 60.0  # prefill-side pages never collected are freed after this
-    retry_prefill: bool = False  # retry a failed prefill/transfer once on another prefill replica
-    # send the KV header before the prefill step that finishes a prompt (the decode side posts its receives
-    # while it computes); false (default, measured better on 2 x H200): header and pages go after that step
-    announce: bool = False
-    # when no decode replica has room for a prompt's KV pages, the router retries for up to this long before it
-    # answers 503 `kv_capacity` (a burst of long prompts waits for running requests to finish); 0: at once
-    admit_wait_s: float = 0.0
-    # GPU data plane: "direct" (our own NCCL calls, the default) or "torch" (ProcessGroupNCCL: ~0.14 ms more
-    # host time per message on each side)
-    nccl: Literal["direct", "torch"] = "direct"
-
-    def __post_init__(self) -> None:
-        if self.nccl not in ("direct", "torch"):
-            raise ValueError(f"transfer.nccl: must be 'direct' or 'torch', got {self.nccl!r}")
-        for name in ("timeout_s", "lease_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"transfer.{name}: must be > 0, got {getattr(self, name)}")
-        if self.admit_wait_s < 0:
-            raise ValueError(f"transfer.admit_wait_s: must be >= 0, got {self.admit_wait_s}")
 
 
 @dataclass(frozen=True, kw_only=True)

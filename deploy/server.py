@@ -85,17 +85,6 @@ class FirstToken:
     logprobs: dict[int, float] | None = None
 
 
-def engine_transfer_config(config: ServeConfig):
-    """The engines' transfer knobs from the serve config (timeouts, lease)."""
-    from workers.kv.config import TransferConfig as EngineTransferConfig
-
-    t = config.transfer
-    # a prepared receive waits for prefill queueing + compute: the lease bounds that too
-    return EngineTransferConfig(timeout_s=t.timeout_s, lease_s=t.lease_s, announce=t.announce, nccl=t.nccl,
-                                receive_timeout_s=max(t.lease_s, t.timeout_s),
-                                connect_timeout_s=max(30.0, t.timeout_s))
-
-
 def resolve_model_dir(config: ServeConfig) -> Path:
     """The checkpoint directory to serve: `config.model`, else the built-in tiny model (written on first use)."""
     if config.model is not None:
@@ -178,7 +167,7 @@ class EngineServer:
                 model_dir = resolve_model_dir(self._config)
             group = self._config.groups()[self._role]
 
-            transfer = engine_transfer_config(self._config) if self._role != "unified" else None
+            transfer = self._config.transfer if self._role != "unified" else None
 
             # a group of several shards reserves the Ray CPUs per shard that the serve config asks for
             executor = (GroupOptions(num_cpus_per_shard=group.num_cpus_per_shard)

@@ -201,11 +201,14 @@ def test_serve_cli_disaggregate_flags():
     preset = config_from_args({"config_file": "configs/serve/cpu-pd.yaml"})
     assert preset.disaggregate and preset.device == "cpu" and set(preset.groups()) == {"prefill", "decode"}
     assert overrides_from_args(parser.parse_args([])) == {}
-    # the GPU data plane: our own NCCL calls unless told "torch" (ProcessGroupNCCL); it reaches the engines
-    from deploy.server import engine_transfer_config
+    # the GPU data plane: our own NCCL calls unless told "torch" (ProcessGroupNCCL). The `transfer` section is
+    # the engines' own TransferConfig (one definition), so it reaches them as it is; the timeouts a serve config
+    # does not name follow its lease and transfer timeout
+    from workers.kv.config import TransferConfig
 
     gpu = config_from_args({"config_file": "configs/serve/gpu-2-pd.yaml"})
-    assert gpu.transfer.nccl == "direct" and engine_transfer_config(gpu).nccl == "direct"
+    assert type(gpu.transfer) is TransferConfig and gpu.transfer.nccl == "direct"
+    assert (cfg.transfer.receive_timeout_s, cfg.transfer.connect_timeout_s) == (9.0, 30.0)
     # per-role chunk size: the GPU preset's prefill group steps 16k tokens, its decode group the engine's 8k
     assert (gpu.engine_for("prefill").max_num_batched_tokens, gpu.engine_for("decode").max_num_batched_tokens,
             gpu.engine.max_num_batched_tokens) == (16384, 8192, 8192)
@@ -213,7 +216,7 @@ def test_serve_cli_disaggregate_flags():
     with pytest.raises(ConfigError, match="prefill: max_num_batched_tokens: must be >= 1"):
         config_from_args({"overrides": {"prefill": {"max_num_batched_tokens": 0}}})
     torch_pg = config_from_args({"overrides": {"transfer": {"nccl": "torch"}}})
-    assert engine_transfer_config(torch_pg).nccl == "torch"
+    assert torch_pg.transfer.nccl == "torch"
     with pytest.raises(ConfigError, match="transfer.nccl: must be one of"):
         config_from_args({"overrides": {"transfer": {"nccl": "mpi"}}})
 

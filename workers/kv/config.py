@@ -1,8 +1,12 @@
-"""What a transfer is configured with (`TransferConfig`), its states, and the wire's constants."""
+"""What a transfer is configured with (`TransferConfig`), its states, and the wire's constants.
+
+`TransferConfig` is the one transfer config of the project: the serve config's `transfer:` section is this class
+(deploy/config.py), the engines get it as it is, and the router reads its own two knobs from it."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 
 _CLOSE = b"__close__"
@@ -16,11 +20,14 @@ _LAYOUTS_KEPT = 32  # chunk/copy plans kept per pair (one per page count seen re
 
 @dataclass(frozen=True, kw_only=True)
 class TransferConfig:
-    """Knobs of the transfer engine (timeouts in seconds)."""
+    """Knobs of KV transfer between prefill and decode (timeouts in seconds): the transfer engine's, the engines'
+    (`lease_s`, `announce`) and the router's (`retry_prefill`, `admit_wait_s`)."""
 
     timeout_s: float = 30.0  # one transfer, from its header to its status
-    receive_timeout_s: float = 600.0  # how long a prepared receive waits for its header (prefill queue + compute)
-    connect_timeout_s: float = 120.0  # building a pair (both sides must join)
+    # how long a prepared receive waits for its header (prefill queue + compute); None: max(lease_s, timeout_s),
+    # as the lease bounds that wait too
+    receive_timeout_s: float | None = None
+    connect_timeout_s: float | None = None  # building a pair (both sides must join); None: max(30, timeout_s)
     idle_wait_s: float = 300.0  # a receiving worker re-arms its header wait this often
     max_chunk_bytes: int = 64 * 2**20  # staging buffer (= message) size cap
     max_inflight_chunks: int = 4  # staging buffers alive at once per pair (bounds staging memory)
@@ -40,9 +47,19 @@ class TransferConfig:
     announce_wait_s: float = 5.0
     # the GPU data plane: "direct" (our own ncclSend/ncclRecv calls, workers/kv/nccl.py) or "torch"
     # (ProcessGroupNCCL, ~0.14 ms of host time per post on each side; docs/benchmarks.md, KV transfer, session 5)
-    nccl: str = "direct"
+    nccl: Literal["direct", "torch"] = "direct"
+    # the router's side (deploy/pd.py; the engines never read these): a failed transfer runs the prefill once
+    # more (on the first-token path) instead of answering 503 `kv_transfer_failed`
+    retry_prefill: bool = False
+    # when no decode replica has room for a prompt's KV pages, the router retries for up to this long before it
+    # answers 503 `kv_capacity` (a burst of long prompts waits for running requests to finish); 0: at once
+    admit_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.receive_timeout_s is None:
+            object.__setattr__(self, "receive_timeout_s", max(self.lease_s, self.timeout_s))
+        if self.connect_timeout_s is None:
+            object.__setattr__(self, "connect_timeout_s", max(30.0, self.timeout_s))
         for name in ("timeout_s", "receive_timeout_s", "connect_timeout_s", "idle_wait_s", "lease_s",
                      "announce_wait_s"):
             if getattr(self, name) <= 0:
@@ -53,6 +70,8 @@ class TransferConfig:
             raise ValueError("max_inflight_chunks: must be >= 1")
         if self.nccl not in ("direct", "torch"):
             raise ValueError(f"nccl: must be 'direct' or 'torch', got {self.nccl!r}")
+        if self.admit_wait_s < 0:
+            raise ValueError(f"admit_wait_s: must be >= 0, got {self.admit_wait_s}")
 
 
 class TransferState(enum.Enum):
