@@ -37,6 +37,7 @@ from deploy.owners import Owner
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.server import Admitted, FirstToken, TransferOutcome
 from deploy.wiring import ReplicaKey, Wiring
+from workers.kv.config import TransferConfig
 
 logger = logging.getLogger("m3serve.router")
 
@@ -104,13 +105,6 @@ class Replicas(Protocol):
     def count_out(self, key: ReplicaKey) -> None: ...
 
 
-@dataclasses.dataclass(frozen=True)
-class HandoffConfig:
-    retry_prefill: bool = False  # a failed transfer runs the prefill once more (first-token path)
-    admit_wait_s: float = 0.0  # how long a request waits for a decode replica with room
-    prefill_dp: int = 1  # attention DP on the prefill replicas: each request is placed on a dp rank first
-
-
 @dataclasses.dataclass(eq=False)
 class _Run:
     """One disaggregated request as it goes through the phases."""
@@ -151,12 +145,15 @@ class PrefillDecode:
     """Runs disaggregated requests for one router (`run`), and what it started in the background."""
 
     def __init__(self, engines: dict[ReplicaKey, DeploymentHandle], wiring: Wiring, replicas: Replicas,
-                 config: HandoffConfig, *, hold: Callable[..., Redirect], release: Callable[[str], None],
-                 handoff: Callable[[str], None],
+                 config: TransferConfig, prefill_dp: int, *, hold: Callable[..., Redirect],
+                 release: Callable[[str], None], handoff: Callable[[str], None],
                  on_phase: Callable[[str, Phase], Awaitable[None]] | None = None) -> None:
-        """`hold(rid, key, method, args, engine_rid, owner)`: count `rid` on `key` until released, and the
+        """`config`: the serve config's transfer section (this reads `retry_prefill` and `admit_wait_s`);
+        `prefill_dp`: attention DP on the prefill replicas (each request is placed on a dp rank first).
+        `hold(rid, key, method, args, engine_rid, owner)`: count `rid` on `key` until released, and the
         `Redirect` to hand over; `release(rid)`: stop counting it; `handoff(outcome)`: count a handoff outcome."""
         self.config = config
+        self._prefill_dp = prefill_dp
         self._engines, self._wiring, self._replicas = engines, wiring, replicas
         self._hold, self._release, self._handoff = hold, release, handoff
         self.on_phase = on_phase  # awaited as each phase is entered (a test seam; None in production)
@@ -383,7 +380,7 @@ class PrefillDecode:
         """The dp rank of prefill replica `p` that will run `req` (None without attention DP): the decode side
         must know it before the prefill runs, to prepare the receive from that rank's shards. The prompt length
         goes along: the replica balances its dp ranks by prompt tokens still to prefill, not by requests."""
-        if self.config.prefill_dp == 1:
+        if self._prefill_dp == 1:
             return None
         try:
             return await self._engines[p].place.remote(req.request_id, len(req.prompt_token_ids))

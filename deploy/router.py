@@ -31,7 +31,7 @@ from deploy.config import ServeConfig
 from deploy.metrics_endpoint import RouterMetrics
 from deploy.metrics_hub import start_pushing
 from deploy.owners import Held, Owner
-from deploy.pd import HandoffConfig, PrefillDecode, abort_on
+from deploy.pd import PrefillDecode, abort_on
 from deploy.protocol import EngineError, EngineEvent, EngineRequest, Redirect
 from deploy.wiring import ReplicaKey, Wiring
 from workers.stats import EngineStats
@@ -133,11 +133,8 @@ class Router:
         self._owner_watch: asyncio.Task | None = None  # aborts and releases what dead ingress replicas held
         # disaggregation: the pairs this router opens (its id in their names) and the handoff of each request
         self._wiring = Wiring(self._engines, uuid.uuid4().hex[:6], config.prefill.tp, config.prefill.dp)
-        self._pd = PrefillDecode(
-            self._engines, self._wiring, self._load,
-            HandoffConfig(retry_prefill=config.transfer.retry_prefill, admit_wait_s=config.transfer.admit_wait_s,
-                          prefill_dp=config.prefill.dp),
-            hold=self._hold, release=self._release, handoff=self._metrics.handoff)
+        self._pd = PrefillDecode(self._engines, self._wiring, self._load, config.transfer, config.prefill.dp,
+                                 hold=self._hold, release=self._release, handoff=self._metrics.handoff)
         start_pushing(f"router-{self._metrics.labels['replica']}", self._metric_families, metrics_hub)
 
     def _metric_families(self) -> list:
