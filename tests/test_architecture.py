@@ -23,14 +23,21 @@ EXECUTORS_BELOW_ENGINE = "executors and shards never reach up to the engine"
 CORE_BELOW_ENGINE = "the core and attention DP never import the engine"
 CORE_PURE = "the engine core runs no model and holds no text or KV agents"
 STEP_NO_TEXT = "the engine step makes no text"
+PD_BELOW_ROUTER = "the handoff, pair wiring and owner watch never import the router"
 CONTRACTS = (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS, EXECUTORS_BELOW_ENGINE, CORE_BELOW_ENGINE, CORE_PURE,
-             STEP_NO_TEXT)
+             STEP_NO_TEXT, PD_BELOW_ROUTER)
 
 # A minimal tree that respects every contract: deploy -> workers -> msa -> kernels, externals only where allowed.
 CLEAN_TREE = {
     "deploy/__init__.py": "",
-    "deploy/app.py": "import ray\nimport fastapi\nfrom workers import engine\n",
+    "deploy/app.py": "import ray\nimport fastapi\nfrom workers import engine\nfrom deploy import ingress, router\n",
     "deploy/output.py": "from workers import text\n",
+    "deploy/ingress.py": "",
+    "deploy/testing.py": "from deploy import app, router\n",
+    "deploy/router.py": "from deploy import pd, wiring, owners\n",
+    "deploy/pd.py": "from deploy import wiring, owners\n",
+    "deploy/wiring.py": "",
+    "deploy/owners.py": "",
     "workers/__init__.py": "",
     "workers/engine.py": "import yaml\nfrom msa import model\nfrom workers import executor, dp\n",
     "workers/engine_api.py": "from workers import core, output, executor, kv, tokenizer\n",
@@ -108,6 +115,10 @@ def test_clean_fixture_tree_passes(tmp_path):
     ("the engine makes text", {"workers/engine_api.py": "from workers import core, output, text\n"}, STEP_NO_TEXT),
     ("the step thread makes text lazily", {"workers/async_engine.py": "def f():\n    from workers import text\n"},
      STEP_NO_TEXT),
+    ("the handoff imports the router lazily", {"deploy/pd.py": "def f():\n    from deploy import router\n"},
+     PD_BELOW_ROUTER),
+    ("the pair wiring imports the drills", {"deploy/wiring.py": "from deploy.testing import DrillRouter\n"},
+     PD_BELOW_ROUTER),
 ])
 def test_forbidden_import_fails_and_names_the_contract(tmp_path, case, extra, contract):
     res = lint(make_tree(tmp_path, extra))
