@@ -35,7 +35,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deploy.owners import Owner
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, Redirect
-from deploy.server import Admitted, FirstToken, TransferOutcome
+from deploy.server_pd import Admitted, FirstToken, TransferOutcome
 from deploy.wiring import ReplicaKey, Wiring
 from workers.kv.config import TransferConfig
 
