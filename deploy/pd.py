@@ -176,14 +176,14 @@ class PrefillDecode:
             pstream.cancel()  # its replica aborts the request (and the watcher reads the stream's end)
             self._spawn(abort_on(self._engines, p, tid))  # a placement not run yet
 
-    async def run(self, req: EngineRequest, direct_owner: Owner | None) -> AsyncIterator[EngineEvent | Redirect]:
+    async def run(self, req: EngineRequest, owner: Owner | None) -> AsyncIterator[EngineEvent | Redirect]:
         """A disaggregated request's events for the ingress: a refusal, or (first-token path) the first token,
-        then a `Redirect` to the decode replica. `direct_owner`: the ingress replica that will read it."""
+        then a `Redirect` to the decode replica. `owner`: the ingress replica that will read the decode stream."""
         refused = await self._refuse(req)
         if isinstance(refused, EngineError):
             yield refused
             return
-        run = _Run(req=req, owner=direct_owner, prefills=refused, attempts=2 if self.config.retry_prefill else 1,
+        run = _Run(req=req, owner=owner, prefills=refused, attempts=2 if self.config.retry_prefill else 1,
                    decode_first=not self.config.retry_prefill and req.params.prompt_logprobs is None)
         self._touched[run.rid] = run.touched
         steps = {Phase.PLACE: self._place, Phase.ADMIT: self._admit, Phase.PREFILL: self._prefill,
