@@ -342,7 +342,7 @@ class Ingress:
         requests = prep.engine_requests()
         if self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
             router = self._router.options(stream=True)
-            calls = [router.generate.remote(r, True, released if i == 0 else (), self._engines.owner)
+            calls = [router.generate.remote(r, released if i == 0 else (), self._engines.owner)
                      for i, r in enumerate(requests)]
         else:
             calls = [self._router.route.remote(r, released if i == 0 else (), self._engines.owner)

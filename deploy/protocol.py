@@ -509,7 +509,7 @@ class EngineError:
 
 @dataclass(frozen=True, kw_only=True)
 class Redirect:
-    """Router -> ingress (`Router.generate(..., direct=True)`): take the rest of this request's stream straight
+    """Router -> ingress (`Router.generate`): take the rest of this request's stream straight
     from an engine replica, `deployment.method(*args)`, instead of through the router: every hop costs CPU per
     streamed item, and the router only needs to decide. The router keeps counting the request on that replica
     until the ingress calls `Router.release(release_id)`; if the stream is cut before it ends, the ingress aborts

@@ -156,18 +156,14 @@ class Router:
         self._where[req.request_id] = key
         return self._hold(req.request_id, key, "generate", (req,), req.request_id, owner)
 
-    async def generate(self, req: EngineRequest, direct: bool = True, released: list[str] = (),
+    async def generate(self, req: EngineRequest, released: list[str] = (),
                        owner: Owner | None = None) -> AsyncIterator[EngineEvent | Redirect]:
         """A request's events up to the `Redirect` to the replica that streams the rest, which the ingress then
         reads itself, calling `release` when it ended (or passing its id in `released` with a later call).
         Unified: the redirect at once (what `route` answers). Disaggregated (deploy/pd.py): a refusal, or the
-        redirect to the decode replica, after the first token on the first-token path. `direct`: must be true
-        (the token stream is never relayed through here; the ingress still passes it)."""
+        redirect to the decode replica, after the first token on the first-token path. The token stream itself
+        never passes through here."""
         self._release_all(released)
-        if not direct:
-            yield EngineError(status=500, code="internal_error",
-                              message="generate: the router relays no token stream (direct=False is gone)")
-            return
         if self._config.disaggregate:
             async for event in self._pd.run(req, owner):
                 yield event

@@ -97,51 +97,10 @@ class EventQueue:
             await self._wake.wait()
 
 
-async def coalesce(events: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """The events of `events`, read as fast as they arrive (a pump task) and handed on as the consumer asks: all
-    that arrived since its previous ask, chunks merged (`merge_runs`). A consumer that keeps up sees every event
-    as it came. Closing this generator early stops the pump (the caller cancels the source stream itself)."""
-    buf: deque = deque()
-    wake = asyncio.Event()
-    end: list[BaseException | None] = []  # set once the source ended: [None] or [its error]
-
-    async def pump() -> None:
-        try:
-            async for event in events:
-                buf.append(event)
-                wake.set()
-            end.append(None)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # noqa: BLE001 - re-raised on the consumer's side, after what came before it
-            end.append(e)
-        finally:
-            wake.set()
-
-    task = asyncio.ensure_future(pump())
-    try:
-        while True:
-            if buf:
-                batch = list(buf)
-                buf.clear()
-                for event in merge_runs(batch):
-                    yield event
-                continue
-            if end:
-                if end[0] is not None:
-                    raise end[0]
-                return
-            wake.clear()
-            await wake.wait()
-    finally:
-        if not task.done():
-            task.cancel()
-
-
 # Serve knobs for the replicas of this app (env vars, read when a replica process imports Serve). Serve runs a
 # replica's user code on a second event loop thread by default, and every item a streaming method yields is handed
 # to the replica's main loop with call_soon_threadsafe: the user code never waits for a send, so a backlog of
-# unsent items piles up out of its sight and `coalesce` / AsyncEngine's newest-only drain have nothing to merge.
+# unsent items piles up out of its sight and AsyncEngine's newest-only drain has nothing to merge.
 # On the replica's own loop, the next item is pulled only once Ray took the previous one, so a lagging hop merges
 # what piled up meanwhile (measured, benchmarks/bench_serve_stream.py: 1 -> 2.4 tokens per chunk, half the CPU per
 # token in every process, Serve TPOT +200% -> +35% over in-process on 2 cores). Handles are then called from that

@@ -72,7 +72,7 @@ def run_direct(router, req) -> list:
     from deploy.protocol import Redirect
 
     events: list = []
-    for event in router.options(stream=True).generate.remote(req, True):
+    for event in router.options(stream=True).generate.remote(req):
         if not isinstance(event, Redirect):
             events.append(event)
             continue

@@ -1,4 +1,4 @@
-"""Direct streams (what the ingress does): `Router.generate(req, direct=True)` decides and orchestrates, then hands
+"""Direct streams (what the ingress does): `Router.generate(req)` decides and orchestrates, then hands
 the token stream over with a `Redirect` to the engine replica that produces it; the router counts the request on
 that replica until `release`. Unified: the redirect comes at once; disaggregated: at once too, to the decode
 replica (which streams the first token as well, from the KV header). The router relays no token stream. The
@@ -42,9 +42,7 @@ def test_unified_redirects_at_once_and_counts_until_released(serve_app):
     serve_app.wait_idle()
     router = serve_app.router()
     want = unified(serve_app, request("routed-ref"))
-    (refused,) = list(router.options(stream=True).generate.remote(request("relay"), False))
-    assert refused.status == 500 and "relays no token stream" in refused.message  # the relay mode is gone
-    events = list(router.options(stream=True).generate.remote(request("direct"), True))
+    events = list(router.options(stream=True).generate.remote(request("direct")))
     assert len(events) == 1 and isinstance(events[0], Redirect)
     r = events[0]
     assert (r.deployment, r.method, r.request_id, r.release_id) == ("EngineServer-unified-0", "generate", "direct",
@@ -65,7 +63,7 @@ def test_disaggregated_redirects_to_decode_before_the_prefill_runs(serve_app):
     pd.wait_idle()
     router = pd_handle("Router")
     want = unified(serve_app, request("pd-ref"))
-    events = list(router.options(stream=True).generate.remote(request("pd-direct"), True))
+    events = list(router.options(stream=True).generate.remote(request("pd-direct")))
     assert [type(e) for e in events] == [Redirect]
     r = events[0]
     assert (r.deployment, r.method, r.request_id) == ("EngineServer-decode-0", "decode", "pd-direct")
@@ -85,14 +83,14 @@ def test_decode_first_streams_end_with_what_the_prefill_answered(serve_app):
     pd.wait_idle()
     router = pd_handle("Router")
     want = unified(serve_app, request("pd-one-ref", 1))
-    (r,) = list(router.options(stream=True).generate.remote(request("pd-one", 1), True))
+    (r,) = list(router.options(stream=True).generate.remote(request("pd-one", 1)))
     got = follow(r)
     assert len(got) == 1 and got[0].finished and tokens(got) == want and got[0].prompt_token_ids == PROMPT
     prefill = pd_handle("EngineServer-prefill-0")
     pairs = router.pairs.remote().result()
     prefill.inject_transfer_faults.remote({"pd-gone": "peer_gone"}).result()
     try:
-        (r,) = list(router.options(stream=True).generate.remote(request("pd-gone"), True))
+        (r,) = list(router.options(stream=True).generate.remote(request("pd-gone")))
         got = follow(r)
     finally:
         prefill.inject_transfer_faults.remote({}).result()
@@ -106,7 +104,7 @@ def test_decode_first_streams_end_with_what_the_prefill_answered(serve_app):
         router.release.remote(rid).result()
     pd.wait_idle()
     assert pages_in_use(pd) == {"prefill-0": 0, "decode-0": 0}
-    assert tokens(follow(list(router.options(stream=True).generate.remote(request("pd-after"), True))[0])) == \
+    assert tokens(follow(list(router.options(stream=True).generate.remote(request("pd-after")))[0])) == \
         unified(serve_app, request("pd-after-ref"))
     router.release.remote("pd-after").result()
 
@@ -124,7 +122,7 @@ def test_decode_first_release_before_the_first_token_cancels_the_prefill(serve_a
     before = started()
     prefill.hold_prefills.remote({"pd-left": "hold"}).result()
     try:
-        (r,) = list(router.options(stream=True).generate.remote(request("pd-left"), True))
+        (r,) = list(router.options(stream=True).generate.remote(request("pd-left")))
         time.sleep(0.5)  # the router's watcher waits on the held prefill stream
         pd_handle("EngineServer-decode-0").abort.remote("pd-left").result()  # what the ingress does on close
         router.release.remote("pd-left").result()

@@ -104,7 +104,7 @@ def test_retry_prefill_recovers_a_failed_transfer(pd, healthy):
 
 def test_client_gone_between_prefill_and_decode(pd, healthy):
     handle("Router").inject_faults.remote({"gone": "pause_before_decode"}).result()
-    stream = handle("Router").options(stream=True).generate.remote(request("gone", 400, first_token=True), True)
+    stream = handle("Router").options(stream=True).generate.remote(request("gone", 400, first_token=True))
     first = next(iter(stream))
     assert isinstance(first, EngineChunk) and first.samples[0].token_ids == healthy[:1]
     # the KV lands on the decode side (prefill's pages freed) and decoding starts there, though nobody streams it

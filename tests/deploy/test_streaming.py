@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from deploy.protocol import EngineChunk, EngineError, SampleDelta
-from deploy.streaming import coalesce, merge_chunks, merge_runs
+from deploy.streaming import merge_chunks, merge_runs
 
 
 def chunk(step: int, *, n: int = 2, finish_at: int | None = None, logprobs: bool = True) -> EngineChunk:
@@ -80,48 +80,6 @@ async def consume(events, lag_turns: int) -> list:
         for _ in range(lag_turns):
             await asyncio.sleep(0)
     return got
-
-
-@pytest.mark.parametrize("logprobs", [True, False])
-def test_a_slow_consumer_gets_fewer_larger_chunks_with_the_same_content(logprobs):
-    chunks = [chunk(s, finish_at=30, logprobs=logprobs) for s in range(32)]
-    fast = asyncio.run(consume(coalesce(produce(chunks)), lag_turns=0))
-    slow = asyncio.run(consume(coalesce(produce(chunks)), lag_turns=5))
-    assert len(fast) == len(chunks)  # keeping up: one chunk per step, as produced
-    assert 1 < len(slow) < len(chunks) // 3  # lagging: several steps per chunk
-    assert flatten(slow) == flatten(fast) == flatten(chunks)
-    assert slow[0].prompt_token_ids == [1, 2, 3] and slow[-1].finished and not any(c.finished for c in slow[:-1])
-
-
-def test_a_source_error_arrives_after_what_came_before_it():
-    chunks = [chunk(s) for s in range(10)]
-
-    async def main():
-        got = []
-        with pytest.raises(RuntimeError, match="replica died"):
-            async for e in coalesce(produce(chunks, error=RuntimeError("replica died"))):
-                got.append(e)
-                for _ in range(3):
-                    await asyncio.sleep(0)
-        return got
-
-    got = asyncio.run(main())
-    assert flatten(got) == flatten(chunks)
-
-
-def test_closing_early_stops_reading_the_source():
-    closed: list = []
-
-    async def main():
-        events = coalesce(produce([chunk(s) for s in range(1000)], closed=closed))
-        first = await events.__anext__()
-        await events.aclose()
-        for _ in range(5):
-            await asyncio.sleep(0)
-        return first
-
-    assert asyncio.run(main()).samples[0].token_ids == [0]
-    assert closed == [True]
 
 
 def test_event_queue_hands_over_what_piled_up_merged_then_its_error():
