@@ -383,7 +383,8 @@ class Ingress:
             raise
         except Exception as e:
             logger.error("engine stream failed: %r", e)
-            raise ApiError(503, f"engine failed mid-request ({type(e).__name__})", code="engine_unavailable") from None
+            raise ApiError(503, f"engine failed mid-request ({type(e).__name__})", code="engine_unavailable",
+                           retry_after=NOT_READY_RETRY_S) from None
         finally:
             for s in streams:
                 s.close()
