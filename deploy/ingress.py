@@ -25,7 +25,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy import chat, extras, guard, metrics_endpoint, openapi
+from deploy import admin_drain, chat, extras, guard, metrics_endpoint, openapi
 from deploy.config import ServeConfig
 from deploy.errors import NOT_READY_RETRY_S, ApiError
 from deploy.metrics_endpoint import ArrivalStamp
@@ -251,6 +251,12 @@ class Ingress:
         counts = await asyncio.shield(self._drain)
         self._engines.close()
         return {**counts, "replica": serve.get_replica_context().replica_id.unique_id}
+
+    @app.post(admin_drain.ROUTE)
+    async def drain_route(self, request: Request) -> JSONResponse:
+        """Drain this replica now (Kubernetes' preStop hook; deploy/admin_drain.py); answers when it is over."""
+        self._check_auth(request)
+        return await admin_drain.handle(request, self.drain, self._config.drain_grace_s)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:

@@ -389,10 +389,12 @@ CROSS_FIELD = [
     ({"serve": {"unified": {"tp": 4, "dp": 1, "ep": 3}}}, "serve.unified.ep: 3 must divide tp * dp = 4"),
     ({"serve": {"unified": {"tp": 8, "dp": 2, "ep": 1}}}, "exceeds workerGroups.unified.maxGpusPerPod = 8"),
     ({"apiKey": {"value": "a", "existingSecret": "b"}}, "either apiKey.value or apiKey.existingSecret"),
+    ({"serve": {"drain_grace_s": 61}}, "rayStopGraceSeconds must be below terminationGracePeriodSeconds"),
 ]
 
 
-@pytest.mark.parametrize("bad,message", CROSS_FIELD, ids=["drain-vs-grace", "ep-divides", "pod-gpus", "api-key-twice"])
+@pytest.mark.parametrize("bad,message", CROSS_FIELD,
+                         ids=["drain-vs-grace", "ep-divides", "pod-gpus", "api-key-twice", "ingress-drain-vs-grace"])
 def test_cross_field_mistakes_stop_the_render_with_a_clear_message(bad, message):
     with helm.Chart.load(CHART) as chart:
         with pytest.raises(helm.HelmError, match=message.replace("*", r"\*").replace(".", r"\.")):
@@ -442,3 +444,51 @@ def test_builtin_tiny_cpu_layout_requests_no_gpus():
     (group,) = worker_groups(values).values()
     assert group["rayStartParams"]["num-gpus"] == "0"
     assert "nvidia.com/gpu" not in json.dumps(group["template"]["spec"]["containers"][0]["resources"])
+
+
+# ------------------------------------------------------------------------------ preStop: drain, then stop Ray
+def _pre_stop(container: dict[str, Any]) -> str:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["/bin/sh", "-c"], command
+    return command[2]
+
+
+@pytest.mark.parametrize("ci", CI_SETS)
+def test_worker_pods_drain_their_ingress_before_ray_stops(ci):
+    """Each worker pod's preStop drains its ingress replica(s) through POST /admin/drain (deploy/drain_hook.py)
+    with the app's grace period, then stops Ray; the two fit the pod's termination grace period. The head holds no
+    replica (num-cpus 0): it only stops Ray. The pod's IP reaches the hook, which names it to the route."""
+    values = ci_values(ci)
+    g = {"rayStopGraceSeconds": 120, "terminationGracePeriodSeconds": 180, **values.get("gracefulShutdown", {})}
+    grace = values.get("serve", {}).get("drain_grace_s", 30)
+    spec = objects(values)["RayService"]["spec"]
+    prefix = values.get("serveApp", {}).get("routePrefix", "/")
+    for group in spec["rayClusterConfig"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        (container,) = pod["containers"]
+        hook = _pre_stop(container)
+        drain, stop = hook.split("; ")
+        assert drain.startswith("python -m deploy.drain_hook ") and f"--grace {grace}" in drain, hook
+        assert f"--port {container['ports'][0]['containerPort']}" in drain and f"--prefix {prefix}" in drain, hook
+        assert stop == f"ray stop --grace-period {g['rayStopGraceSeconds']}", hook
+        assert grace + g["rayStopGraceSeconds"] < pod["terminationGracePeriodSeconds"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["M3SERVE_POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    head = spec["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert _pre_stop(head) == f"ray stop --grace-period {g['rayStopGraceSeconds']}"
+
+
+def test_drain_hook_can_be_turned_off():
+    (group,) = worker_groups({"gracefulShutdown": {"drainIngress": False}}).values()
+    hook = _pre_stop(group["template"]["spec"]["containers"][0])
+    assert hook == "ray stop --grace-period 120" and "drain_hook" not in hook
+
+
+def test_drain_hook_module_is_what_the_chart_runs():
+    """The hook the chart names exists and takes the flags the chart passes."""
+    from deploy import drain_hook
+
+    (group,) = worker_groups().values()
+    drain = _pre_stop(group["template"]["spec"]["containers"][0]).split("; ")[0]
+    assert vars(drain_hook.parse_args(drain.split()[3:])) == {"port": 8000, "prefix": "/", "grace": 30.0,
+                                                               "calls": 2}

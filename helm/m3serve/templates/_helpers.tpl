@@ -68,6 +68,9 @@ They mirror workers.config.ParallelConfig and the pod layout (one engine replica
 {{- if ge (int .Values.gracefulShutdown.serveTimeoutSeconds) (int .Values.gracefulShutdown.terminationGracePeriodSeconds) -}}
 {{- fail "gracefulShutdown: serveTimeoutSeconds must be below terminationGracePeriodSeconds (the pod would be killed mid-drain)" -}}
 {{- end -}}
+{{- if and .Values.gracefulShutdown.drainIngress (ge (add (include "m3serve.drainGrace" . | float64 | ceil | int) (int .Values.gracefulShutdown.rayStopGraceSeconds)) (int .Values.gracefulShutdown.terminationGracePeriodSeconds)) -}}
+{{- fail "gracefulShutdown: serve.drain_grace_s + rayStopGraceSeconds must be below terminationGracePeriodSeconds (preStop drains the ingress, then stops Ray; the pod would be killed mid-drain)" -}}
+{{- end -}}
 {{- if and .Values.apiKey.value .Values.apiKey.existingSecret -}}
 {{- fail "apiKey: set either apiKey.value or apiKey.existingSecret, not both" -}}
 {{- end -}}
@@ -124,7 +127,7 @@ RayService: it reaches the pods as env M3SERVE_API_KEY from a Secret.
 {{- end -}}
 
 {{/*
-Per-deployment Serve options: every deployment deploy.app:build_app creates (Ingress, Router, one
+Per-deployment Serve options: every deployment deploy.app:build_app creates (Ingress, Router, MetricsHub, one
 EngineServer-<role>-<i> per engine replica) drains for gracefulShutdown.serveTimeoutSeconds when Serve stops it
 (upgrades, config changes); `serveApp.deployments` entries are merged on top by name.
 */}}
@@ -132,7 +135,7 @@ EngineServer-<role>-<i> per engine replica) drains for gracefulShutdown.serveTim
 {{- $gs := .Values.gracefulShutdown -}}
 {{- $drain := dict "graceful_shutdown_timeout_s" $gs.serveTimeoutSeconds "graceful_shutdown_wait_loop_s" $gs.serveWaitLoopSeconds -}}
 {{- $byName := dict -}}
-{{- $names := list "Ingress" "Router" -}}
+{{- $names := list "Ingress" "Router" "MetricsHub" -}}
 {{- range $role := splitList " " (include "m3serve.roles" .) -}}
 {{- range $i := until (int (index $.Values.serve $role).replicas) -}}
 {{- $names = append $names (printf "EngineServer-%s-%d" $role $i) -}}
@@ -163,6 +166,10 @@ EngineServer-<role>-<i> per engine replica) drains for gracefulShutdown.serveTim
 {{- end }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+- name: M3SERVE_POD_IP  # the drain hook names its pod (deploy/drain_hook.py)
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -250,8 +257,24 @@ Called with (dict "root" $ "metadataOnly" bool).
 {{- end -}}
 
 {{/* Graceful shutdown: `ray stop` lets the raylet drain before the pod goes away. */}}
+{{/*
+preStop. Worker pods (`drain`: true) first drain their own ingress replica(s) through POST /admin/drain on the
+pod's Serve proxy (deploy/drain_hook.py; readiness goes 503, new requests get 503 + Retry-After, requests in
+flight get serve.drain_grace_s, the rest end with an error event), then stop Ray. The hook always exits 0.
+*/}}
 {{- define "m3serve.lifecycle" -}}
+{{- $g := .root.Values.gracefulShutdown -}}
+{{- $stop := printf "ray stop --grace-period %v" $g.rayStopGraceSeconds -}}
 preStop:
   exec:
-    command: ["/bin/sh", "-c", "ray stop --grace-period {{ .Values.gracefulShutdown.rayStopGraceSeconds }}"]
+    {{- if and .drain $g.drainIngress }}
+    command: ["/bin/sh", "-c", "python -m deploy.drain_hook --port {{ int .root.Values.service.targetPort }} --prefix {{ .root.Values.serveApp.routePrefix }} --grace {{ include "m3serve.drainGrace" .root }} --calls {{ max 2 (mul 2 (int .root.Values.serve.ingress_replicas)) }}; {{ $stop }}"]
+    {{- else }}
+    command: ["/bin/sh", "-c", "{{ $stop }}"]
+    {{- end }}
+{{- end -}}
+
+{{/* Seconds the ingress drain gives requests in flight: ServeConfig.drain_grace_s (default 30). */}}
+{{- define "m3serve.drainGrace" -}}
+{{- if kindIs "invalid" .Values.serve.drain_grace_s }}30{{ else }}{{ .Values.serve.drain_grace_s }}{{ end -}}
 {{- end -}}
