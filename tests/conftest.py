@@ -42,7 +42,12 @@ def pytest_collection_modifyitems(config, items):
     n = _cuda_count()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_multi = pytest.mark.skip(reason="needs two or more CUDA devices")
+    # opt-in: the chaos run kills replicas for minutes; only a marker expression naming it selects it
+    skip_chaos = pytest.mark.skip(reason="opt-in: run with -m chaos")
+    chaos_selected = "chaos" in (config.option.markexpr or "")
     for item in items:
+        if "chaos" in item.keywords and not chaos_selected:
+            item.add_marker(skip_chaos)
         if "gpu" in item.keywords and n < 1:
             item.add_marker(skip_gpu)
         if "multigpu" in item.keywords and n < 2:
