@@ -22,6 +22,7 @@ _DESCRIPTIONS = {
     401: "Missing or wrong API key",
     413: "Request body over the server's limit (`max_request_bytes`)",
     404: "Unknown model",
+    409: "Another node's ingress replica answered (`node_ip`); nothing was drained",
     429: "Too many requests waiting (Retry-After)",
     500: "Internal error",
     503: "Not ready, or the engines cannot take the request now (Retry-After)",
@@ -42,6 +43,7 @@ _ROUTES: dict[tuple[str, str], tuple[tuple[int, ...], dict[str, Any]]] = {
     ("/health", "head"): ((503,), {}),
     ("/metrics", "get"): (_AUTH, {"text/plain": None}),
     ("/admin/stats", "get"): (_AUTH, {}),
+    ("/admin/drain", "post"): ((400, 401, 409), {}),
 }
 
 
