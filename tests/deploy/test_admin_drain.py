@@ -16,7 +16,8 @@ import pytest
 from deploy import drain_hook
 
 APP = "drainapp"
-GRACE_S = 3
+GRACE_S = 3  # the short stream (24 tokens) finishes well within it, the long one (4k tokens) cannot
+MAX_MODEL_LEN = 4096
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]
 
 
@@ -47,7 +48,8 @@ class _Reader(threading.Thread):
 
 @pytest.fixture
 def own_app(serve_app):
-    base = serve_app.deploy_extra(APP, dict(serve_app.config))
+    config = {**serve_app.config, "engine": {**serve_app.config["engine"], "max_model_len": MAX_MODEL_LEN}}
+    base = serve_app.deploy_extra(APP, config)
     try:
         serve_app.wait_healthy_at(base)
         yield dataclasses.replace(serve_app, base_url=base, extra_apps=[])
@@ -60,7 +62,7 @@ def _post(app, body: dict | None, headers: dict | None = None) -> httpx.Response
                       json=body, timeout=60)
 
 
-def test_admin_drain_through_the_prestop_hook(own_app, monkeypatch):
+def test_admin_drain_through_the_prestop_hook(own_app, monkeypatch, capsys):
     import ray
 
     app = own_app
@@ -75,9 +77,9 @@ def test_admin_drain_through_the_prestop_hook(own_app, monkeypatch):
     assert httpx.get(f"{app.base_url}/health", timeout=30).status_code == 200
 
     common = {"model": app.model, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
-    # the whole context (hundreds of tokens: longer than GRACE_S), and a few tokens (well within it)
-    long = _Reader(app.base_url, app.headers, {**common, "max_tokens": 512 - len(PROMPT)})
-    short = _Reader(app.base_url, app.headers, {**common, "max_tokens": 4})
+    # the whole context (thousands of tokens: far longer than GRACE_S), and a few tokens (well within it)
+    long = _Reader(app.base_url, app.headers, {**common, "max_tokens": MAX_MODEL_LEN - len(PROMPT)})
+    short = _Reader(app.base_url, app.headers, {**common, "max_tokens": 24})
     long.start()
     assert long.first.wait(120) and long.error is None, long.error
     short.start()
@@ -106,12 +108,13 @@ def test_admin_drain_through_the_prestop_hook(own_app, monkeypatch):
 
     hook.join(GRACE_S + 60)
     assert not hook.is_alive(), "the hook did not return after the drain"
+    said = capsys.readouterr().err  # both streams were in flight when the drain began: one finished, one was ended
+    assert "drained 1 ingress replica(s)" in said and "1 request(s) finished, 1 ended" in said, said
     short.join(60)
     long.join(60)
     assert short.error is None and long.error is None, (short.error, long.error)
     assert short.events[-1] == "[DONE]" and not any('"error"' in e for e in short.events), short.events[-3:]
     assert json.loads(short.events[-2])["choices"][0]["finish_reason"] == "length"
-    print(f"long stream: {len(long.events)} events; short: {len(short.events)}")
     assert long.events[-1] == "[DONE]", long.events[-3:]
     error = json.loads(long.events[-2])["error"]
     assert error["code"] == "shutting_down" and "grace period" in error["message"], error
