@@ -220,6 +220,8 @@ def summary(results: list[Result], kills: list[dict]) -> str:
         lines.append(f"  {kind:<26} " + "/".join(str(c.get(o, 0)) for o in OUTCOMES))
     codes = Counter(r.detail.split(":")[0] for r in results if r.outcome in ("retryable", "cut"))
     lines.append("retryable and cut, by code: " + ", ".join(f"{k} {v}" for k, v in codes.most_common()))
+    messages = Counter(r.detail for r in results if r.outcome in ("retryable", "cut"))
+    lines += [f"  {n:>4} x {m}" for m, n in messages.most_common(8)]
     lines.append("kills (role, at s, pid, recovered after s; then the retryable/cut requests that ended after it and"
                  " before the next: count, codes, how many had started after it recovered):")
     done = [k for k in kills if k.get("t") is not None]
