@@ -63,6 +63,10 @@ class StepBatch:
     # `rows[bitmask_rows[j]]`; only constrained rows travel (a step of one JSON request among 256 carries one row)
     bitmask_rows: list[int] = ()
     token_bitmask: np.ndarray | None = None
+    # async scheduling: `input_ids[deferred_positions[j]]` is not known on the host (a placeholder): the shard
+    # takes it on the device from row `deferred_rows[j]` of the sampled ids of the step it ran just before
+    deferred_positions: list[int] = ()
+    deferred_rows: list[int] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -104,12 +108,14 @@ def _prompt_logprob_chunk(i: int, c, next_target: int | None) -> PromptLogprobCh
 def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids: Sequence[int] = (),
                      released_seq_ids: Sequence[int] = (),
                      prompt_logprob_progress: dict[int, int] | None = None,
-                     grammar_of: Callable[[Seq], GrammarState | None] | None = None) -> StepBatch:
+                     grammar_of: Callable[[Seq], GrammarState | None] | None = None,
+                     pending_rows: dict[int, int] | None = None) -> StepBatch:
     """Flatten one scheduler output for the executor; valid until the scheduler runs again.
 
     `prompt_logprob_progress`: seq id -> the next prompt position whose logprob is wanted, for sequences
     collecting prompt logprobs. `grammar_of(seq)`: the sequence's grammar state (None: unconstrained); the
-    sampled rows that have one get their bitmask filled now."""
+    sampled rows that have one get their bitmask filled now. `pending_rows` (async scheduling): seq id -> its
+    row in the sampled ids of the step still running, for sequences whose last token that step samples."""
     input_ids: list[int] = []
     chunks: list[ChunkSpec] = []
     sample_chunks: list[int] = []
@@ -117,10 +123,15 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
     plp: list[PromptLogprobChunk] = []
     grammars: list[GrammarState] = []
     bitmask_rows: list[int] = []
+    deferred_positions: list[int] = []
+    deferred_rows: list[int] = []
     progress = prompt_logprob_progress or {}
     for i, c in enumerate(out.chunks):
         seq = c.seq
         input_ids.extend(seq.token_ids[c.start:c.start + c.num_tokens])
+        if seq.pending:  # its chunk is the one decode token, the placeholder (workers.scheduler.advance)
+            deferred_positions.append(len(input_ids) - 1)
+            deferred_rows.append(pending_rows[seq.seq_id])
         want = _prompt_logprob_chunk(i, c, progress.get(seq.seq_id)) if progress else None
         if want is not None:
             plp.append(want)
@@ -138,7 +149,8 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
     bitmask = fill_token_bitmask(grammars, grammars[0].vocab_size) if grammars else None
     return StepBatch(input_ids=input_ids, chunks=chunks, sample_chunks=sample_chunks, rows=rows,
                      released_seq_ids=list(released_seq_ids), prompt_logprob_chunks=plp, bitmask_rows=bitmask_rows,
-                     token_bitmask=None if bitmask is None else bitmask.numpy())
+                     token_bitmask=None if bitmask is None else bitmask.numpy(),
+                     deferred_positions=deferred_positions, deferred_rows=deferred_rows)
 
 
 def rows_token_bitmask(batch: StepBatch) -> np.ndarray | None:

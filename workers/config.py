@@ -58,6 +58,10 @@ class EngineConfig:
     # kernels (on CPU through the Triton interpreter: TRITON_INTERPRET=1 before triton is imported; tests),
     # "ref" the torch references (a check on a GPU; never for serving: they allocate [T, heads, context])
     attention_backend: Literal["auto", "triton", "ref"] = "auto"
+    # async scheduling (workers/engine_api.py): schedule step n+1 and launch it while step n runs, its decode
+    # rows' input ids taken on the device from n's sampled ids; n's tokens are read back and applied after.
+    # In-process executor of a unified engine only; steps with grammar or penalty rows stay synchronous.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -26,6 +26,7 @@ Not thread-safe: the thread that steps the engine drives the core.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -74,6 +75,22 @@ class _Tracked:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.req.prompt_token_ids)
 
 
+@dataclass(slots=True)
+class _Step:
+    """A scheduled step until its update: `ahead` once `advance` accounted it before its tokens were known."""
+
+    sched_out: SchedulerOutput
+    batch: StepBatch
+    ahead: bool = False
+
+
+def needs_host_tokens(params: SamplingParams) -> bool:
+    """Whether a request's batch rows need its previous token on the host (a grammar's bitmask, a penalty's token
+    lists): while one is in flight the engine schedules synchronously (no step ahead)."""
+    return (params.structured is not None or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
 class EngineCore:
     """Scheduler + page manager + the requests in flight of one engine (or one dp rank); see the module
     docstring for the schedule/update contract."""
@@ -95,8 +112,9 @@ class EngineCore:
         self._released_seq_ids: list[int] = []  # gone since the last batch: the shards drop their sampler state
         self._finished_stats: list[RequestStats] = []
         self._retired_now: dict[str, _Tracked] = {}  # retired by the latest update (a stop string may follow)
-        self._scheduled: SchedulerOutput | None = None  # the step between schedule() and update()
-        self._batch: StepBatch | None = None
+        # steps scheduled and not yet updated, oldest first: one, or two while async scheduling runs one ahead
+        self._steps: deque[_Step] = deque()
+        self._needs_host_tokens: set[str] = set()  # requests whose next batch needs their last token on the host
 
     # ---- requests ---------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -150,6 +168,7 @@ class EngineCore:
         """Undo `add_remote` (its KV cannot be prepared): pages freed, no stats recorded."""
         self.scheduler.abort(request_id)
         self._tracked.pop(request_id, None)
+        self._needs_host_tokens.discard(request_id)
 
     def activate_remote(self, request_id: str, first_token: int,
                         first_logprobs: dict[int, float] | None) -> list[EngineCoreOutput]:
@@ -170,6 +189,8 @@ class EngineCore:
                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                      grammars=self._new_grammars(req))
         self._tracked[req.request_id] = t
+        if needs_host_tokens(params):
+            self._needs_host_tokens.add(req.request_id)
         if params.prompt_logprobs is not None and len(req.prompt_token_ids) > 1:
             self._prompt_logprob_pending[req.request_id] = t
 
@@ -181,6 +202,7 @@ class EngineCore:
         req = self.scheduler.abort(request_id, reason=reason)
         t = self._tracked.pop(request_id, None)
         self._prompt_logprob_pending.pop(request_id, None)
+        self._needs_host_tokens.discard(request_id)
         if req is None:
             return None
         self._released_seq_ids.extend(s.seq_id for s in req.seqs)
@@ -213,34 +235,61 @@ class EngineCore:
         return list(self._tracked)
 
     def has_unfinished(self) -> bool:
-        """Requests a step can move on (queued or running; not those waiting on a KV transfer)."""
-        return self.scheduler.has_unfinished()
+        """Requests a step can move on (queued or running; not those waiting on a KV transfer), or a step in
+        flight whose update is still due."""
+        return self.scheduler.has_unfinished() or bool(self._steps)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepBatch | None:
         """Pick this step's chunks; the batch the executor runs, None when nothing runs this step."""
-        assert self._scheduled is None, "schedule() twice without update()"
+        assert not self._steps, "schedule() while a step awaits its update"
+        return self._schedule(pending_rows=None)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether `schedule_ahead` may run now: async scheduling on, a unified engine (a KV handoff or a remote
+        decode is synchronous), exactly one step in flight, and no request whose rows need host tokens."""
+        return (self.config.async_scheduling and self.role == "unified" and len(self._steps) == 1
+                and not self._steps[0].ahead and not self._needs_host_tokens)
+
+    def schedule_ahead(self) -> StepBatch | None:
+        """Async scheduling: the next step's batch while the one in flight still runs (`can_schedule_ahead`).
+        The step in flight is accounted as done, each of its sampling sequences assumed to get one token; the
+        new batch's rows that follow such a sequence take their input id on the device from the step in
+        flight's sampled ids (`StepBatch.deferred_*`). `update` then takes the older step's result first."""
+        assert self.can_schedule_ahead(), "schedule_ahead() without exactly one plain step in flight"
+        step = self._steps[0]
+        self.scheduler.advance(step.sched_out)
+        step.ahead = True
+        rows = {step.sched_out.chunks[ci].seq.seq_id: r for r, ci in enumerate(step.batch.sample_chunks)}
+        return self._schedule(pending_rows=rows)
+
+    def _schedule(self, pending_rows: dict[int, int] | None) -> StepBatch | None:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            if self.scheduler.has_unfinished() and not sched_out.preempted:
+            if self.scheduler.has_unfinished() and not sched_out.preempted and not self._steps:
                 raise RuntimeError("scheduler: requests are queued but none could be scheduled")
             return None
         progress = {t.req.seqs[0].seq_id: len(t.prompt_logprobs) for t in self._prompt_logprob_pending.values()}
         batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
                                  released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress,
-                                 grammar_of=self._grammar_of)
+                                 grammar_of=self._grammar_of, pending_rows=pending_rows)
         self._released_seq_ids = []
-        self._scheduled, self._batch = sched_out, batch
+        self._steps.append(_Step(sched_out, batch))
         return batch
 
     @property
     def scheduled(self) -> SchedulerOutput | None:
-        """The step between `schedule()` and its `update()` / `fail_step()` (None outside one)."""
-        return self._scheduled
+        """The oldest step between `schedule()` and its `update()` / `fail_step()` (None outside one)."""
+        return self._steps[0].sched_out if self._steps else None
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        return len(self._steps)
 
     def update(self, result: StepResult) -> list[EngineCoreOutput]:
-        """Apply the executor's result to the scheduled step (see the module docstring)."""
-        sched_out, batch = self._take_scheduled()
+        """Apply the executor's result to the oldest scheduled step (see the module docstring)."""
+        step = self._take_scheduled()
+        sched_out, batch = step.sched_out, step.batch
         self._retired_now = {}
         for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
             self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
@@ -249,7 +298,10 @@ class EngineCore:
         for r, (ci, tok) in enumerate(zip(batch.sample_chunks, result.token_ids, strict=True)):
             sampled[ci] = tok
             row_of_seq[sched_out.chunks[ci].seq.seq_id] = r
-        update = self.scheduler.update(sched_out, sampled)
+        if step.ahead:
+            update = self.scheduler.resolve(sched_out, sampled)
+        else:
+            update = self.scheduler.update(sched_out, sampled)
         now = time.monotonic()
         outputs = []
         for seq, token in update.new_tokens:
@@ -284,7 +336,8 @@ class EngineCore:
     def fail_step(self, failure_reason: str) -> list[EngineCoreOutput]:
         """The executor raised on the scheduled step: end exactly its requests (pages freed, sequences finished
         with "error", stats failed with `failure_reason`); one output per sample of each."""
-        sched_out, batch = self._take_scheduled()
+        step = self._take_scheduled()
+        sched_out, batch = step.sched_out, step.batch
         self._released_seq_ids[:0] = batch.released_seq_ids  # in case the shard never saw them
         outputs = []
         for rid in dict.fromkeys(c.seq.request.request_id for c in sched_out.chunks):
@@ -295,12 +348,10 @@ class EngineCore:
                            for s in req.seqs)
         return outputs
 
-    def _take_scheduled(self) -> tuple[SchedulerOutput, StepBatch]:
-        if self._scheduled is None:
+    def _take_scheduled(self) -> _Step:
+        if not self._steps:
             raise RuntimeError("update: no step is scheduled")
-        scheduled = self._scheduled, self._batch
-        self._scheduled = self._batch = None
-        return scheduled
+        return self._steps.popleft()
 
     def _on_prompt_logprobs(self, request_id: str, start: int, dicts: list[dict[int, float]]) -> None:
         t = self._prompt_logprob_pending.get(request_id)
@@ -328,6 +379,7 @@ class EngineCore:
         self._released_seq_ids.extend(s.seq_id for s in req.seqs)
         del self._tracked[req.request_id]
         self._prompt_logprob_pending.pop(req.request_id, None)
+        self._needs_host_tokens.discard(req.request_id)
         self._retired_now[req.request_id] = t
         self._close_stats(t, None)
 

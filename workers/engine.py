@@ -73,6 +73,12 @@ class Engine(EngineAPI):
         (batch,) = batches
         return [self.executor.execute(batch)]
 
+    def _runs_async(self) -> bool:
+        return self.engine_config.async_scheduling and self.role == "unified" and hasattr(self.executor, "launch")
+
+    def _launch(self, batch: StepBatch):
+        return self.executor.launch(batch)
+
     # ---- requests and disaggregation on the one core ------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids, params, *, prompt: str | None = None,
                     arrival_time: float | None = None, handoff_to: str | None = None,

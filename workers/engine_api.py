@@ -85,6 +85,8 @@ class EngineAPI:
         self.ranks: list[Rank] = []
         self._step_stats: deque[StepStats] = deque(maxlen=4096)
         self.num_steps = 0
+        # async scheduling: (batch, handle) of the launched step whose result is read next
+        self._in_flight: tuple[StepBatch, object] | None = None
 
     def _add_rank(self, info: dict, agents: Sequence = ()) -> Rank:
         """A core over a pool of `info["num_pages"]` pages, and its connector over `agents`."""
@@ -99,6 +101,16 @@ class EngineAPI:
 
     def _execute(self, batches: list[StepBatch | None]) -> list[StepResult | None]:
         raise NotImplementedError
+
+    def _launch(self, batch: StepBatch):
+        """Async scheduling: start the one rank's step without waiting (a handle whose `result()` waits); only
+        where `_runs_async()`."""
+        raise NotImplementedError
+
+    def _runs_async(self) -> bool:
+        """Whether steps go through `_step_async`: `async_scheduling` on, one unified rank, and an executor that
+        launches without waiting (the in-process one; Ray executors and dp stay synchronous)."""
+        return False
 
     @property
     def cores(self) -> list[EngineCore]:
@@ -188,6 +200,8 @@ class EngineAPI:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the cumulative output of every request that progressed (finished ones last
         seen here with `.finished` set)."""
+        if self._runs_async():
+            return self._step_async()
         t0 = time.perf_counter()
         outputs: list[RequestOutput] = []
         batches: list[StepBatch | None] = []
@@ -210,6 +224,47 @@ class EngineAPI:
                 outputs += self._deliver(rank, rank.core.update(result))
             rank.kv.after_step(rank.core)
         self._record_step(t0, scheduled, results)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with async scheduling (vLLM v1's is the model): with step n in flight, schedule and launch
+        n+1 (its decode rows' inputs are n's sampled ids, taken on the device), then wait for n's tokens and
+        update with them; n+1 is left running for the next call. Where the core cannot schedule ahead (a
+        request whose rows need host tokens) the step is n alone, synchronous. A launch that raises fails its
+        step after the step before it was updated."""
+        t0 = time.perf_counter()
+        rank = self.ranks[0]
+        core = rank.core
+        if self._in_flight is None:
+            batch = core.schedule()
+            if batch is None:
+                return []
+            rank.kv.on_schedule(core)
+            try:
+                self._in_flight = batch, self._launch(batch)
+            except BaseException as e:
+                return self._fail_step([batch], e)
+        ahead, launched, launch_error = None, None, None
+        if core.can_schedule_ahead():
+            ahead = core.schedule_ahead()
+            if ahead is not None:
+                try:
+                    launched = ahead, self._launch(ahead)
+                except BaseException as e:
+                    launch_error = e
+        scheduled = core.scheduled
+        (batch, handle), self._in_flight = self._in_flight, launched
+        outputs: list[RequestOutput] = []
+        try:
+            result = handle.result()
+        except BaseException as e:
+            outputs += self._fail_step([batch], e)
+        else:
+            outputs += self._deliver(rank, core.update(result))
+            rank.kv.after_step(core)
+            self._record_step(t0, [scheduled], [result])
+        if launch_error is not None:
+            outputs += self._fail_step([ahead], launch_error)
         return outputs
 
     def _deliver(self, rank: Rank, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:

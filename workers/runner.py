@@ -16,6 +16,7 @@ tokens, so the activations of the largest step stay free; a step that still runs
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -103,6 +104,85 @@ class StepResult:
     prompt_logprobs: list[list[dict[int, float]]] = ()
 
 
+class StagerRing:
+    """`Stager`s taken in turn: a `Stager` waits for its previous copy before it rewrites its pinned buffer, and
+    with a step in flight that copy may sit behind the whole step on the stream. A step stages a few times (its
+    metadata, sampling parameters, deferred ids, prompt-logprob targets); the ring is long enough that a buffer
+    comes round again only after the step that used it was read back."""
+
+    def __init__(self, device, size: int = 8) -> None:
+        self._stagers = [Stager(device) for _ in range(size)]
+        self._next = 0
+
+    def stage(self, lists):
+        stager = self._stagers[self._next]
+        self._next = (self._next + 1) % len(self._stagers)
+        return stager.stage(lists)
+
+
+class StepHandle:
+    """A launched step (`ModelRunner.launch`). On CUDA the sampled ids (and the logprobs asked for) are copied to
+    pinned host memory behind the step's kernels, then an event is recorded; `result()` waits for that event
+    only, so a step launched after this one keeps the device busy meanwhile (reading a device tensor instead
+    would wait for that one too)."""
+
+    def __init__(self, device: torch.device, t0: float, sampled, prompt_logprobs: list,
+                 num_logprobs: list[int | None]) -> None:
+        self._t0 = t0
+        self._num_logprobs = num_logprobs
+        self._sampled = self._plp = None
+        self._event = None
+        self._result: StepResult | None = None
+        if sampled is not None:
+            out = sampled[0]
+            wanted = any(k is not None for k in num_logprobs)
+            self._sampled = _to_host(out if wanted else dataclasses.replace(
+                out, logprobs=out.logprobs[:0], top_token_ids=out.top_token_ids[:0], top_logprobs=out.top_logprobs[:0]))
+        self._plp = [(pc, _to_host(o)) for pc, o in prompt_logprobs]
+        if device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._ready = time.perf_counter()  # on the CPU the step ran in launch: it is done now
+
+    @classmethod
+    def done(cls, result: StepResult) -> StepHandle:
+        handle = cls.__new__(cls)
+        handle._result = result
+        return handle
+
+    def result(self) -> StepResult:
+        """Wait for the step's device work and read its outputs (once; later calls return the same)."""
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+            self._ready = time.perf_counter()
+        token_ids: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        if self._sampled is not None:
+            token_ids = self._sampled.token_ids.tolist()
+            logprobs = self._sampled.logprob_dicts(self._num_logprobs) \
+                if any(k is not None for k in self._num_logprobs) else [None] * len(token_ids)
+        prompt_lps = [o.logprob_dicts([pc.num_top] * len(pc.target_ids)) for pc, o in self._plp]
+        self._result = StepResult(token_ids=token_ids, logprobs=logprobs, forward_time=self._ready - self._t0,
+                                  sample_time=time.perf_counter() - self._ready, prompt_logprobs=prompt_lps)
+        self._sampled = self._plp = None
+        return self._result
+
+
+def _to_host(out: SamplerOutput) -> SamplerOutput:
+    """The sampler's tensors copied to pinned host memory without waiting (CPU tensors are returned as they are)."""
+    if out.token_ids.device.type == "cpu":
+        return out
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    return SamplerOutput(token_ids=copy(out.token_ids), logprobs=copy(out.logprobs),
+                         top_token_ids=copy(out.top_token_ids), top_logprobs=copy(out.top_logprobs))
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | Path, *, engine_config: EngineConfig, device: str | torch.device = "cpu",
                  ctx: ParallelContext | None = None) -> None:
@@ -128,7 +208,10 @@ class ModelRunner:
         # Unseeded rows draw from this engine-seeded generator; seeded rows get their own (see sampler).
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self._generators: dict[int, torch.Generator] = {}
-        self._stager = Stager(self.device)  # the eager steps' inputs: one pinned buffer, one copy a step
+        # the steps' inputs: pinned buffers, one copy each; a ring, so the step launched while another still
+        # runs never waits for that one's copies (async scheduling)
+        self._stager = StagerRing(self.device)
+        self._last_sampled: torch.Tensor | None = None  # the sampled ids of the step launched last (on the device)
         self.num_graph_steps = 0  # steps run by replaying a decode graph (tests and benchmarks read it)
         self.graphs: DecodeGraphs | None = self._capture_graphs(engine_config)
 
@@ -162,10 +245,18 @@ class ModelRunner:
                 "cuda_graph_capture_s": self.graphs.capture_seconds if self.graphs is not None else None}
 
     def execute(self, batch: StepBatch) -> StepResult:
-        """Run one step. Out of device memory: torch's cached blocks are released and `StepOutOfMemoryError`
-        raised (the engine fails this step's requests and goes on); the runner stays usable."""
+        """Run one step and wait for it. Out of device memory: torch's cached blocks are released and
+        `StepOutOfMemoryError` raised (the engine fails this step's requests and goes on); the runner stays
+        usable."""
+        return self.launch(batch).result()
+
+    def launch(self, batch: StepBatch) -> StepHandle:
+        """Start one step and return without waiting for the device (async scheduling): its inputs staged, the
+        forward, the sampler, and the copies of what the host reads back are queued; `result()` waits for them.
+        On the CPU the work runs here. A batch with `deferred_positions` takes those input ids from the sampled
+        ids of the step launched just before it. Errors as `execute`."""
         try:
-            return self._execute(batch)
+            return self._launch(batch)
         except torch.OutOfMemoryError as e:
             why = str(e).splitlines()[0] if str(e) else "out of memory"
         # past the except block: the failed forward's frames (and the tensors they held) are gone, so the
@@ -175,38 +266,42 @@ class ModelRunner:
                                    f"({len(batch.chunks)} requests): {why}")
 
     @torch.inference_mode()
-    def _execute(self, batch: StepBatch) -> StepResult:
+    def _launch(self, batch: StepBatch) -> StepHandle:
         for sid in batch.released_seq_ids:
             self._generators.pop(sid, None)
         if not batch.chunks:
-            return self._idle_step()
+            self._last_sampled = None
+            return StepHandle.done(self._idle_step())
         t0 = time.perf_counter()
         if self.graphs is not None and is_graph_step(batch, self.graphs.max_batch):
             # one row per decode chunk, every row sampled in chunk order: the graph's logits rows are the rows
-            logits, plp_rows = self.graphs.run(batch.chunks, batch.input_ids), []
+            bucket = self.graphs.prepare(batch.chunks, batch.input_ids)
+            if batch.deferred_positions:
+                self._fill_deferred(self.graphs.static.input_ids(bucket), batch)
+            logits, plp_rows = self.graphs.replay(bucket)[:len(batch.chunks)], []
             self.num_graph_steps += 1
         else:
             logits, plp_rows = self._eager_logits(batch)
         sampled = None
+        self._last_sampled = None
         if self.samples and batch.rows:
             # queued behind the forward (staged inputs, no sync): the host builds it while the GPU still runs
             sampled = self._sample(logits[:len(batch.rows)], batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        t1 = time.perf_counter()
+            self._last_sampled = sampled[0].token_ids
         if not self.samples:
-            return StepResult(token_ids=[], logprobs=[], forward_time=t1 - t0, sample_time=0.0, prompt_logprobs=[])
-        token_ids: list[int] = []
-        logprobs: list[dict[int, float] | None] = []
-        if sampled is not None:
-            out, num_logprobs = sampled
-            token_ids = out.token_ids.tolist()
-            logprobs = out.logprob_dicts(num_logprobs) if any(k is not None for k in num_logprobs) else \
-                [None] * len(token_ids)
-        prompt_lps = [self._prompt_logprobs(logits[r:r + len(pc.target_ids)], pc)
-                      for r, pc in zip(plp_rows, batch.prompt_logprob_chunks)]
-        return StepResult(token_ids=token_ids, logprobs=logprobs, forward_time=t1 - t0,
-                          sample_time=time.perf_counter() - t1, prompt_logprobs=prompt_lps)
+            return StepHandle(self.device, t0, None, [], [])
+        plp = [(pc, self._prompt_logprob_tensors(logits[r:r + len(pc.target_ids)], pc))
+               for r, pc in zip(plp_rows, batch.prompt_logprob_chunks)]
+        return StepHandle(self.device, t0, sampled, plp, [r.params.logprobs for r in batch.rows])
+
+    def _fill_deferred(self, input_ids: torch.Tensor, batch: StepBatch) -> None:
+        """Async scheduling: the ids the host does not know yet, from the previous step's sampled ids, on the
+        device (no host round trip: the copy is queued behind that step's sampler)."""
+        prev = self._last_sampled
+        if prev is None or max(batch.deferred_rows) >= prev.shape[0]:
+            raise RuntimeError("deferred input ids name rows the previous step did not sample")
+        pos, rows = self._stager.stage([(batch.deferred_positions, torch.int64), (batch.deferred_rows, torch.int64)])
+        input_ids[pos] = prev[rows]
 
     def _eager_logits(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[int]]:
         """The step's forward run eagerly -> (logits [sampled rows + prompt-logprob targets, vocab] fp32 or None,
@@ -223,6 +318,8 @@ class ModelRunner:
         rows = host.logits_indices[np.asarray(want, dtype=np.int64)]
         meta, (input_ids, rows_t) = host.to_device(self._stager, extra=[(batch.input_ids, torch.int64),
                                                                        (rows, torch.int64)])
+        if batch.deferred_positions:
+            self._fill_deferred(input_ids, batch)
         hidden = self.model(input_ids, meta, self.kv)
         logits = self.model.compute_logits(hidden[rows_t]) if want else None
         return logits, plp_rows
@@ -241,11 +338,10 @@ class ModelRunner:
         return StepResult(token_ids=[], logprobs=[], forward_time=time.perf_counter() - t0, sample_time=0.0,
                           prompt_logprobs=[])
 
-    def _prompt_logprobs(self, logits: torch.Tensor, pc) -> list[dict[int, float]]:
-        targets = torch.tensor(pc.target_ids, dtype=torch.int64).to(self.device)
+    def _prompt_logprob_tensors(self, logits: torch.Tensor, pc) -> SamplerOutput:
+        targets = self._stager.stage([(pc.target_ids, torch.int64)])[0]
         chosen, top_ids, top_lps = gather_logprobs(logits, targets, pc.num_top)
-        out = SamplerOutput(token_ids=targets, logprobs=chosen, top_token_ids=top_ids, top_logprobs=top_lps)
-        return out.logprob_dicts([pc.num_top] * len(pc.target_ids))
+        return SamplerOutput(token_ids=targets, logprobs=chosen, top_token_ids=top_ids, top_logprobs=top_lps)
 
     def _sample(self, logits: torch.Tensor, batch: StepBatch):
         rows = batch.rows

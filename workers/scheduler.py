@@ -26,6 +26,13 @@ keeps its pages (the engine frees them once the KV transfer settled). On a decod
 the pages of a prompt computed elsewhere (status REMOTE: outside both queues); `activate_remote` appends the
 first token the prefill engine sampled and queues the sequence for its first decode step (`remote_ready`,
 admitted ahead of the waiting queue since its pages are already held).
+
+Async scheduling (workers/engine_api.py): the engine schedules step n+1 while step n still runs. `advance(n)`
+accounts n's chunks as computed and gives every sampling sequence a placeholder token (`PENDING_TOKEN`, the
+sequence `pending`), so `schedule()` gives it its next decode chunk, whose input the device takes from n's sampled
+ids; `resolve(n, tokens)` then puts the real tokens in place and checks the stops as `update` does. A sequence that
+n finishes has a wasted row in n+1 (its result is ignored); one whose placeholder is sure to end it by length
+(max_tokens, max_model_len) is not scheduled at all, so no page is taken for it.
 """
 from __future__ import annotations
 
@@ -40,6 +47,9 @@ from workers.pages import PageManager, PrefixHit
 from workers.request import SamplingParams
 
 
+PENDING_TOKEN = -1  # a token sampled by a step still in flight (async scheduling); never a vocabulary id
+
+
 class SeqStatus(enum.Enum):
     PENDING_FORK = "pending_fork"  # sample i > 0 waiting for sample 0's prompt
     REMOTE = "remote"  # decode engine: pages reserved, the prompt's KV is computed and sent by a prefill engine
@@ -52,7 +62,7 @@ class Sequence:
     """One sample of one request: its tokens and how many of them are in the KV cache."""
 
     __slots__ = ("seq_id", "request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "status",
-                 "finish_reason", "stop_reason", "num_preemptions", "generator")
+                 "finish_reason", "stop_reason", "num_preemptions", "generator", "pending")
 
     def __init__(self, seq_id: int, request: Request, index: int, status: SeqStatus) -> None:
         self.seq_id = seq_id
@@ -66,6 +76,7 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.generator = None  # the engine's per-sample RNG (torch.Generator) when seeded; opaque here
+        self.pending = False  # token_ids[-1] is PENDING_TOKEN: sampled by a step in flight, not known yet
 
     @property
     def num_tokens(self) -> int:
@@ -306,6 +317,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending and self._ends_by_length(seq):
+                i += 1  # its token in flight is its last: a row now would be wasted and might take a page
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._grow_or_preempt(seq, n, preempted):
                 break  # seq preempted itself: it was the newest, nothing after it
@@ -410,21 +424,69 @@ class Scheduler:
                 raise ValueError(f"no sampled token for {seq}")
             seq.token_ids.append(int(token))
             new_tokens.append((seq, int(token)))
-            req = seq.request
-            if seq.index == 0 and not req.forked and seq.num_output_tokens == 1:
-                self._fork(req)
-            stop = self._check_stop(seq, int(token))
-            if stop is not None:
-                self._finish(seq, *stop)
-                finished.append(seq)
-                if req.finished:
-                    self.requests.pop(req.request_id, None)
+            self._after_token(seq, int(token), finished)
         return UpdateResult(new_tokens=new_tokens, finished=finished)
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Async scheduling: account the chunks of `output` (a step still running) as computed and give each
+        sampling sequence a placeholder for its token, so the next `schedule()` can follow it. Prefix-cache
+        pages are published as `update` would: they hold only known tokens (the placeholder is never computed
+        by this step)."""
+        for chunk in output.chunks:
+            seq = chunk.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted or finished since scheduling
+            seq.num_computed_tokens += chunk.num_tokens
+            self.pages.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if chunk.sample:
+                seq.token_ids.append(PENDING_TOKEN)
+                seq.pending = True
+
+    def resolve(self, output: SchedulerOutput, sampled_token_ids: Seq[int | None]) -> UpdateResult:
+        """Async scheduling: the tokens of a step `advance` accounted: each placeholder still held (by a running
+        sequence, or one preempted since, which keeps its token as `update` would have) becomes its token; then
+        forks and stops as in `update`. A sequence that finished meanwhile dropped its placeholder: its token is
+        discarded."""
+        new_tokens: list[tuple[Sequence, int]] = []
+        finished: list[Sequence] = []
+        for chunk, token in zip(output.chunks, sampled_token_ids, strict=True):
+            seq = chunk.seq
+            if not chunk.sample or not seq.pending:
+                continue
+            if token is None:
+                raise ValueError(f"no sampled token for {seq}")
+            seq.token_ids[-1] = int(token)
+            seq.pending = False
+            new_tokens.append((seq, int(token)))
+            self._after_token(seq, int(token), finished)
+        return UpdateResult(new_tokens=new_tokens, finished=finished)
+
+    def _after_token(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
+        """A sampled token was appended: fork the other samples after sample 0's first, check the stops."""
+        req = seq.request
+        if seq.index == 0 and not req.forked and seq.num_output_tokens == 1:
+            self._fork(req)
+        stop = self._check_stop(seq, token)
+        if stop is not None:  # (async: a sequence preempted while its token was in flight ends from the queue)
+            self._finish(seq, *stop)
+            finished.append(seq)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        return seq.num_output_tokens >= seq.request.max_tokens or seq.num_tokens >= self.config.max_model_len
 
     def _fork(self, req: Request) -> None:
         """Start samples 1..n-1 from sample 0's computed prompt: full pages shared, the tail recomputed."""
         req.forked = True
         parent = req.seqs[0]
+        if parent.status is not SeqStatus.RUNNING:
+            # async: sample 0 was preempted while its first token was in flight, its pages gone: the other
+            # samples queue behind it and compute their prompts (from the prefix cache where it still holds them)
+            for seq in req.seqs[1:]:
+                seq.status = SeqStatus.WAITING
+                self.waiting.append(seq)
+            return
         shared = (parent.num_prompt_tokens - 1) // self.pages.page_size  # leave >= 1 token to compute for logits
         for seq in req.seqs[1:]:
             self.pages.share(seq.seq_id, parent.seq_id, shared)
@@ -445,6 +507,9 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        if seq.pending:  # its token in flight is discarded
+            seq.token_ids.pop()
+            seq.pending = False
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:

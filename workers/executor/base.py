@@ -33,4 +33,7 @@ class Executor(Protocol):
 
     def execute(self, batch: StepBatch) -> StepResult: ...
 
+    # optional: `launch(batch) -> handle` (`handle.result() -> StepResult`) starts a step without waiting; an
+    # executor that has it can run async scheduling (workers/engine_api.py `_step_async`)
+
     def shutdown(self) -> None: ...

@@ -1,11 +1,16 @@
-"""`LocalExecutor`: one shard in this process (tp = ep = dp = 1), no RPC on the step path."""
+"""`LocalExecutor`: one shard in this process (tp = ep = dp = 1), no RPC on the step path.
+
+It alone can `launch` a step without waiting (async scheduling): the runner queues the step on the device and
+the engine schedules the next one meanwhile. The Ray executors (one actor, a worker group) keep the synchronous
+`execute`: their step is an actor call whose inputs travel with it, so a step ahead would need the previous
+step's sampled ids kept on the shard and a second call in flight (not built)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from workers.batch import StepBatch
 from workers.config import EngineConfig
-from workers.runner import StepResult
+from workers.runner import StepHandle, StepResult
 from workers.kv.agent import TransferAgent
 from workers.kv.config import TransferConfig
 
@@ -23,6 +28,10 @@ class LocalExecutor:
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.runner.execute(batch)
+
+    def launch(self, batch: StepBatch) -> StepHandle:
+        """Start the step without waiting for the device (async scheduling); `.result()` waits."""
+        return self.runner.launch(batch)
 
     def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list[TransferAgent]:
         """The disaggregation end of each shard (one here), in shard (tp rank) order."""
