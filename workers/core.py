@@ -242,7 +242,7 @@ class EngineCore:
     # ---- the step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepBatch | None:
         """Pick this step's chunks; the batch the executor runs, None when nothing runs this step."""
-        assert not self._steps, "schedule() while a step awaits its update"
+        assert not self._steps, "schedule() twice without update() (schedule_ahead runs one step ahead)"
         return self._schedule(pending_rows=None)
 
     def can_schedule_ahead(self) -> bool:
