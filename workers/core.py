@@ -235,9 +235,8 @@ class EngineCore:
         return list(self._tracked)
 
     def has_unfinished(self) -> bool:
-        """Requests a step can move on (queued or running; not those waiting on a KV transfer), or a step in
-        flight whose update is still due."""
-        return self.scheduler.has_unfinished() or bool(self._steps)
+        """Requests a step can move on (queued or running; not those waiting on a KV transfer)."""
+        return self.scheduler.has_unfinished()
 
     # ---- the step ---------------------------------------------------------------------------------------
     def schedule(self) -> StepBatch | None:

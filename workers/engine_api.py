@@ -185,8 +185,9 @@ class EngineAPI:
         return self.has_runnable() or self.has_pending_transfers()
 
     def has_runnable(self) -> bool:
-        """Requests a step can move on (not those only waiting on a KV transfer)."""
-        return any(r.core.has_unfinished() for r in self.ranks)
+        """Requests a step can move on (not those only waiting on a KV transfer), or a step launched ahead whose
+        result the next step reads (async scheduling)."""
+        return self._in_flight is not None or any(r.core.has_unfinished() for r in self.ranks)
 
     def hands_off(self, request_id: str) -> bool:
         """Prefill role: whether `request_id` will send (or is sending) its KV to a decode group."""

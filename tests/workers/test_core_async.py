@@ -52,7 +52,7 @@ def drive(core: EngineCore, ex: FakeExecutor, *, ahead: bool, arrivals, aborts) 
     seqs = {}
     inflight = None
     step = 0
-    while step <= max(arrivals) or core.has_unfinished():
+    while step <= max(arrivals) or core.has_unfinished() or inflight is not None:
         for rid, prompt, params in arrivals.get(step, []):
             seqs.update((s.seq_id, s) for s in core.add_request(rid, prompt, params).seqs)
         for rid in aborts.get(step, []):
