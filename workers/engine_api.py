@@ -236,13 +236,23 @@ class EngineAPI:
         t0 = time.perf_counter()
         rank = self.ranks[0]
         core = rank.core
+        in_executor = 0.0  # seconds this thread spent in launch / result: the rest of the step is host work
+
+        def launch(batch: StepBatch):
+            nonlocal in_executor
+            t = time.perf_counter()
+            try:
+                return batch, self._launch(batch)
+            finally:
+                in_executor += time.perf_counter() - t
+
         if self._in_flight is None:
             batch = core.schedule()
             if batch is None:
                 return []
             rank.kv.on_schedule(core)
             try:
-                self._in_flight = batch, self._launch(batch)
+                self._in_flight = launch(batch)
             except BaseException as e:
                 return self._fail_step([batch], e)
         ahead, launched, launch_error = None, None, None
@@ -250,20 +260,22 @@ class EngineAPI:
             ahead = core.schedule_ahead()
             if ahead is not None:
                 try:
-                    launched = ahead, self._launch(ahead)
+                    launched = launch(ahead)
                 except BaseException as e:
                     launch_error = e
         scheduled = core.scheduled
         (batch, handle), self._in_flight = self._in_flight, launched
         outputs: list[RequestOutput] = []
+        t = time.perf_counter()
         try:
             result = handle.result()
         except BaseException as e:
             outputs += self._fail_step([batch], e)
         else:
+            in_executor += time.perf_counter() - t
             outputs += self._deliver(rank, core.update(result))
             rank.kv.after_step(core)
-            self._record_step(t0, [scheduled], [result])
+            self._record_step(t0, [scheduled], [result], in_executor=in_executor)
         if launch_error is not None:
             outputs += self._fail_step([ahead], launch_error)
         return outputs
@@ -303,11 +315,16 @@ class EngineAPI:
             rank.kv.after_step(rank.core)
         return outputs
 
-    def _record_step(self, t0: float, scheduled: list, results: list[StepResult | None]) -> None:
+    def _record_step(self, t0: float, scheduled: list, results: list[StepResult | None], *,
+                     in_executor: float | None = None) -> None:
         """One StepStats for the step: token counts summed over ranks; the forward is the slowest rank's (they
-        run concurrently), everything else is host overhead."""
+        run concurrently), everything else is host overhead. Async scheduling (`in_executor`): the step's time
+        in the executor's launch and result calls is the forward's part, the rest host work, which on a GPU
+        overlaps the device running the step launched ahead (on the CPU the launch runs the forward, so nothing
+        overlaps there)."""
         step_time = time.perf_counter() - t0
-        forward = max((r.forward_time for r in results if r is not None), default=0.0)
+        forward = (in_executor if in_executor is not None else
+                   max((r.forward_time for r in results if r is not None), default=0.0))
         ran = [s for s in scheduled if s is not None]
         self._step_stats.append(StepStats(
             step_time=step_time, host_overhead=step_time - forward,

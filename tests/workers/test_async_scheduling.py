@@ -206,6 +206,8 @@ def test_steps_overlap_and_host_token_rows_stay_synchronous(tiny_ckpt):
         plain = list(log)
         assert ("launch", 1) in plain and plain.index(("launch", 1)) < plain.index(("result", 0))
         assert all(plain.index(("launch", k + 1)) < plain.index(("result", k)) for k in range(4))
+        stats = eng.pop_step_stats()
+        assert len(stats) == 6 and all(0 <= s.host_overhead <= s.step_time for s in stats)
         del log[:]
         eng.add_request("pen", ids(9, 1), SamplingParams(temperature=0.0, max_tokens=6, frequency_penalty=0.5,
                                                           ignore_eos=True))
