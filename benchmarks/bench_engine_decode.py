@@ -11,7 +11,11 @@ from the prefix cache). Each run is preceded by a 3-token warm-up of the same pr
 Reported per B and mode, over the pure-decode steps with B rows:
   step_ms     median engine step (schedule + inputs + forward + sample + update): the TPOT of driving the
               Engine in-process (each such step gives every request one token)
-  forward_ms  median forward part of it (inputs to the device, forward + LM head, synchronised)
+  forward_ms  median forward part of it (inputs to the device, forward + LM head, synchronised; with
+              --async-scheduling the engine thread's time in the executor's launch and result calls)
+  host_ms     median host part (StepStats.host_overhead): schedule, batch, update, outputs; with
+              --async-scheduling it overlaps the device's work on a GPU (not on the CPU: the launch runs the
+              forward there)
   replay_ms   graphs only: the bucket's graph replayed alone, CUDA events (the device time of the step)
 and the greedy tokens' agreement between the modes (bf16: a near-tie may flip a token; then that request's
 continuation differs). Beside them, two bytes floors at PERF.md's 4.3 TB/s:
@@ -62,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory: written if it holds none, else reused")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="EngineConfig.async_scheduling: step n+1 scheduled and launched while step n runs")
     p.add_argument("--profile", default="", help="batch sizes to profile (eager step and graph replay kernels)")
     p.add_argument("--out", default=os.environ.get("OUT"), help=f"directory for {RESULT_NAME}")
     a = p.parse_args(argv)
@@ -107,7 +113,7 @@ def build_llm(args, model_dir: Path):
     t0 = time.perf_counter()
     llm = LLM(model_dir, device=args.device, num_pages=num_pages, max_num_seqs=max(max(args.batches), 1),
               max_model_len=args.max_model_len, max_num_batched_tokens=max(2048, args.prompt_len),
-              seed=args.seed)
+              seed=args.seed, async_scheduling=args.async_scheduling)
     return llm, time.perf_counter() - t0
 
 
@@ -130,6 +136,7 @@ def run_mode(llm, prompts, args, b: int) -> tuple[dict, list[list[int]]]:
     if steps:
         res["step_ms"] = 1e3 * statistics.median(s.step_time for s in steps)
         res["forward_ms"] = 1e3 * statistics.median(s.step_time - s.host_overhead for s in steps)
+        res["host_ms"] = 1e3 * statistics.median(s.host_overhead for s in steps)
         res["tok_per_s"] = b / (res["step_ms"] / 1e3)
     return res, [o.outputs[0].token_ids for o in outs]
 
@@ -365,7 +372,8 @@ def main(argv=None) -> int:
     runner = llm.engine.executor.runner
     info = runner.info()
     doc = {"model": model_info, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
-           "max_model_len": args.max_model_len, "device_name": torch.cuda.get_device_name() if args.device == "cuda"
+           "max_model_len": args.max_model_len, "async_scheduling": args.async_scheduling,
+           "device_name": torch.cuda.get_device_name() if args.device == "cuda"
            else "cpu", "engine_build_s": build_s, "graph_sizes": info["cuda_graph_sizes"],
            "capture_s": info["cuda_graph_capture_s"],
            "graph_pool_mib": runner.graphs.pool_bytes / 2**20 if runner.graphs is not None else None,
