@@ -239,3 +239,66 @@ def test_disaggregated_roles_keep_the_synchronous_step(tiny_ckpt, role):
         assert_same({"r": [(c.token_ids, c.logprobs, c.finish_reason) for c in last.outputs]}, want)
     finally:
         eng.shutdown()
+
+
+class FailingLaunches(LocalExecutor):
+    """Test-only: the in-process executor whose launch (`where="launch"`) or result (`where="result"`) raises an
+    out-of-memory error for the first batch holding a decode row of `seq_id` at position `start`."""
+
+    def __init__(self, *args, seq_start: tuple[int, int], where: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.seq_start, self.where, self.failed = seq_start, where, []
+
+    def launch(self, batch):
+        from workers.memory import StepOutOfMemoryError
+
+        seq_id, start = self.seq_start
+        hit = not self.failed and any(r.seq_id == seq_id and batch.chunks[ci].start == start
+                                      for r, ci in zip(batch.rows, batch.sample_chunks))
+        if hit:
+            self.failed.append(batch)
+            if self.where == "launch":
+                raise StepOutOfMemoryError("out of cuda memory (injected)")
+        handle = super().launch(batch)
+        if not hit:
+            return handle
+
+        class Failing:
+            def result(self):
+                handle.result()
+                raise StepOutOfMemoryError("out of cuda memory (injected, read back)")
+
+        return Failing()
+
+
+@pytest.mark.parametrize("where", ["launch", "result"])
+def test_a_failed_step_ahead_fails_only_its_requests(tiny_ckpt, where):
+    """The step of "bad"'s 4th decode row raises in its launch (a step launched ahead: the step before it is
+    updated first) or when its result is read: the requests in that step ("bad", "ok") end with the error; the
+    one queued behind them (max_num_seqs = 2) and one sent afterwards run to the synchronous engine's tokens; the
+    pool is all free."""
+    arrivals = {0: [("bad", ids(10, 1), greedy(12)), ("ok", ids(12, 2), greedy(12, logprobs=1)),
+                    ("queued", ids(9, 4), greedy(6, logprobs=1))],
+                9: [("later", ids(7, 3), greedy(6))]}
+    want, _, _, _ = run(tiny_ckpt, False, arrivals, num_pages=64, max_num_seqs=2)
+    cfg = EngineConfig(async_scheduling=True, num_pages=64, max_num_seqs=2)
+    ex = FailingLaunches(tiny_ckpt, engine_config=cfg, device="cpu", seq_start=(0, 10 + 3), where=where)
+    eng = Engine(tiny_ckpt, engine_config=cfg, executor=ex)
+    last, step = {}, 0
+    try:
+        while step <= 9 or eng.has_unfinished():
+            for rid, prompt, params in arrivals.get(step, []):
+                eng.add_request(rid, prompt, params)
+            for out in eng.step():
+                last[out.request_id] = out
+            step += 1
+        assert eng.stats().num_pages_free == eng.num_pages and eng.pages.owners() == {}
+    finally:
+        eng.shutdown()
+    assert ex.failed and (ex.failed[0].deferred_positions or where == "result")
+    for rid in ("bad", "ok"):
+        out = last[rid]
+        assert out.error is not None and "out of" in str(out.error) and out.outputs[0].finish_reason == "error"
+        assert out.outputs[0].token_ids == want[rid][0][0][:len(out.outputs[0].token_ids)]
+    got = {rid: [(c.token_ids, c.logprobs, c.finish_reason) for c in last[rid].outputs] for rid in ("queued", "later")}
+    assert_same(got, {rid: want[rid] for rid in ("queued", "later")})
