@@ -20,6 +20,9 @@ Contract:
   its pages are free (a prefill handoff's excepted: the scheduler keeps them for the transfer), its stats are
   closed (`pop_request_stats`), and its sequence ids reach the shards with the next batch (`released_seq_ids`).
 - Aborts (`abort_request`) free a request's pages in any state.
+- Async scheduling (`config.async_scheduling`): with one step scheduled and launched, `schedule_ahead()` (where
+  `can_schedule_ahead()`) schedules the next one before the first's result is known (the scheduler's
+  `advance`/`resolve`; docs/architecture.md); `update` / `fail_step` always apply to the oldest scheduled step.
 
 Not thread-safe: the thread that steps the engine drives the core.
 """
