@@ -113,13 +113,17 @@ def test_diagnosis_of_every_measured_phase(tiny_run):
             assert len(trace["short"]) == w["num_short"] and all(r["id"] and r["ok"] for r in trace["short"])
             assert all(sum(r["n"]) == w["short_output_len"] for r in trace["short"])
             diag = ph["diagnosis"]
-            assert diag["gaps"]["first_gap_ms"]["n"] == w["num_short"]
+            # a first -> second token gap exists where the first chunk carried the first token alone; on a loaded
+            # machine the stream may fall behind and merge the first two (then that request has no such gap)
+            alone = sum(1 for r in trace["short"] if len(r["n"]) > 1 and r["n"][0] == 1)
+            assert alone >= w["num_short"] // 2, [r["n"] for r in trace["short"]]
+            assert diag["gaps"]["first_gap_ms"]["n"] == alone
             assert len(diag["worst"]) == 3 and all(g["gap_ms"] > 0 for x in diag["worst"] for g in x["gaps"])
             assert diag["steps"]["n"] > 0 and 0 <= diag["steps"]["not_forward_fraction"] <= 1
             assert diag["serve_hops"]["step_to_client_ms"]["n"] > 0
-            # every short request's first -> second token gap split, and its pieces add up to it
+            # every such first -> second token gap split, and its pieces add up to it
             split = diag["first_gap_split"]
-            assert split["n"] == w["num_short"]
+            assert split["n"] == alone
             for r in split["requests"]:
                 seg = r["segments_ms"]
                 parts = sum(v for k, v in seg.items() if k not in ("first_token_hop", "landed_to_activated",
