@@ -14,36 +14,12 @@ import httpx
 import pytest
 
 from deploy import drain_hook
+from tests.deploy.test_drain import _Reader
 
 APP = "drainapp"
 GRACE_S = 3  # the short stream (24 tokens) finishes well within it, the long one (4k tokens) cannot
 MAX_MODEL_LEN = 4096
 PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]
-
-
-class _Reader(threading.Thread):
-    """A streamed completion read to its end in the background: its `data:` payloads, in order."""
-
-    def __init__(self, base: str, headers: dict, body: dict) -> None:
-        super().__init__(daemon=True)
-        self.base, self.headers, self.body = base, headers, body
-        self.events: list[str] = []
-        self.first = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", f"{self.base}/v1/completions", headers=self.headers, timeout=120,
-                              json={**self.body, "stream": True}) as r:
-                assert r.status_code == 200, r.read()
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        self.first.set()
-        except BaseException as e:  # noqa: BLE001 - reported by the test
-            self.error = e
-        finally:
-            self.first.set()
 
 
 @pytest.fixture
@@ -78,8 +54,8 @@ def test_admin_drain_through_the_prestop_hook(own_app, monkeypatch, capsys):
 
     common = {"model": app.model, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
     # the whole context (thousands of tokens: far longer than GRACE_S), and a few tokens (well within it)
-    long = _Reader(app.base_url, app.headers, {**common, "max_tokens": MAX_MODEL_LEN - len(PROMPT)})
-    short = _Reader(app.base_url, app.headers, {**common, "max_tokens": 24})
+    long = _Reader(app.base_url, {**common, "max_tokens": MAX_MODEL_LEN - len(PROMPT)}, app.headers)
+    short = _Reader(app.base_url, {**common, "max_tokens": 24}, app.headers)
     long.start()
     assert long.first.wait(120) and long.error is None, long.error
     short.start()

@@ -21,17 +21,17 @@ PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 class _Reader(threading.Thread):
     """A streamed completion read to its end in the background: its `data:` payloads, in order."""
 
-    def __init__(self, base: str, body: dict) -> None:
+    def __init__(self, base: str, body: dict, headers: dict | None = None) -> None:
         super().__init__(daemon=True)
-        self.base, self.body = base, body
+        self.base, self.body, self.headers = base, body, headers or {}
         self.events: list[str] = []
         self.first = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", f"{self.base}/v1/completions", json={**self.body, "stream": True},
-                              timeout=120) as r:
+            with httpx.stream("POST", f"{self.base}/v1/completions", headers=self.headers, timeout=120,
+                              json={**self.body, "stream": True}) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: "):

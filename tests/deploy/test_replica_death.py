@@ -160,13 +160,20 @@ def test_kill_each_disaggregated_replica_mid_stream(serve_app):
 
         # the router dies mid-stream: the stream comes straight from the decode replica and goes on; a new router
         # opens pairs of its own
-        run = _stream_and_kill(base, h, model, lambda: _kill(app_name, "Router"))
-        _assert_clean_end(run, must_fail=False)
-        serve_app.wait_healthy_at(base)
-        _serves_again(base, h, model, want)
-        _assert_idle(serve_app, base)
+        _kill_router_mid_stream(serve_app, app_name, base, want)
     finally:
         serve_app.delete_extra(app_name)
+
+
+def _kill_router_mid_stream(serve_app, app_name: str, base: str, want) -> None:
+    """The router dies mid-stream: the stream comes straight from its engine replica and goes on; a new router
+    takes over (opening KV pairs of its own where there are any) and the app serves the same tokens again."""
+    h, model = serve_app.headers, serve_app.model
+    run = _stream_and_kill(base, h, model, lambda: _kill(app_name, "Router"))
+    _assert_clean_end(run, must_fail=False)
+    serve_app.wait_healthy_at(base)
+    _serves_again(base, h, model, want)
+    _assert_idle(serve_app, base)
 
 
 def test_kill_each_unified_replica_mid_stream(serve_app):
@@ -183,10 +190,6 @@ def test_kill_each_unified_replica_mid_stream(serve_app):
         _serves_again(base, h, model, want)
         _assert_idle(serve_app, base)
 
-        run = _stream_and_kill(base, h, model, lambda: _kill(app_name, "Router"))
-        _assert_clean_end(run, must_fail=False)
-        serve_app.wait_healthy_at(base)
-        _serves_again(base, h, model, want)
-        _assert_idle(serve_app, base)
+        _kill_router_mid_stream(serve_app, app_name, base, want)
     finally:
         serve_app.delete_extra(app_name)
