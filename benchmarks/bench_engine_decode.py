@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root (workers, msa)
 
+ASYNC = {"auto": None, "on": True, "off": False}  # --async-scheduling -> EngineConfig
 RESULT_NAME = "bench_engine_decode.json"
 PERF_TARGET_MS = {1: 1.9, 16: 6.3, 64: 12.4}  # PERF.md m3-slice decode targets (128 experts, 1024-token prompts)
 
@@ -66,8 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory: written if it holds none, else reused")
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="EngineConfig.async_scheduling: step n+1 scheduled and launched while step n runs")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="EngineConfig.async_scheduling: step n+1 scheduled and launched while step n runs "
+                        "(auto: the engine's default, on for CUDA)")
     p.add_argument("--profile", default="", help="batch sizes to profile (eager step and graph replay kernels)")
     p.add_argument("--out", default=os.environ.get("OUT"), help=f"directory for {RESULT_NAME}")
     a = p.parse_args(argv)
@@ -113,7 +115,7 @@ def build_llm(args, model_dir: Path):
     t0 = time.perf_counter()
     llm = LLM(model_dir, device=args.device, num_pages=num_pages, max_num_seqs=max(max(args.batches), 1),
               max_model_len=args.max_model_len, max_num_batched_tokens=max(2048, args.prompt_len),
-              seed=args.seed, async_scheduling=args.async_scheduling)
+              seed=args.seed, async_scheduling=ASYNC[args.async_scheduling])
     return llm, time.perf_counter() - t0
 
 
@@ -372,7 +374,7 @@ def main(argv=None) -> int:
     runner = llm.engine.executor.runner
     info = runner.info()
     doc = {"model": model_info, "prompt_len": args.prompt_len, "decode_tokens": args.decode_tokens,
-           "max_model_len": args.max_model_len, "async_scheduling": args.async_scheduling,
+           "max_model_len": args.max_model_len, "async_scheduling": llm.engine.engine_config.async_scheduling,
            "device_name": torch.cuda.get_device_name() if args.device == "cuda"
            else "cpu", "engine_build_s": build_s, "graph_sizes": info["cuda_graph_sizes"],
            "capture_s": info["cuda_graph_capture_s"],

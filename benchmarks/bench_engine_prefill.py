@@ -61,6 +61,7 @@ _BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(_BENCH.parent))  # the repository root (workers, msa)
 sys.path.insert(0, str(_BENCH))  # bench_parallel (the random model build)
 
+ASYNC = {"auto": None, "on": True, "off": False}  # --async-scheduling -> EngineConfig
 RESULT_NAME = "bench_engine_prefill.json"
 PROFILE_NAME = "bench_engine_prefill_profile.txt"
 PEAK_FLOPS = 790e12  # PERF.md: dense bf16 matmul on the lent H200
@@ -96,6 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="wall budget from start: later phases/lengths "
                    "and repeats that would start past it are skipped")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="EngineConfig.async_scheduling: step n+1 scheduled and launched while step n runs "
+                        "(auto: the engine's default, on for CUDA)")
     p.add_argument("--out", default=os.environ.get("OUT"), help=f"directory for {RESULT_NAME}")
     a = p.parse_args(argv)
     a.lengths = [int(x) for x in (a.lengths or ("40,100" if a.tiny else "1024,8192,32768,131072")).split(",")]
@@ -302,7 +306,8 @@ def build_engine(args, model_dir: Path, drawn: bool, max_model_len: int, max_num
 
     fields = dict(max_model_len=max_model_len, max_num_batched_tokens=args.chunk, max_num_seqs=max_num_seqs,
                   enable_prefix_caching=False, dtype=args.dtype, seed=args.seed,
-                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+                  attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                  async_scheduling=ASYNC[args.async_scheduling])
     if args.gpu_memory_utilization is not None:
         fields["gpu_memory_utilization"] = args.gpu_memory_utilization
     config = EngineConfig(**fields)
@@ -663,6 +668,7 @@ def main(argv=None) -> int:
                                  "config_per_token": params_per_token(cfg),
                                  "model": model_param_counts(runner.model)}
     doc = {"model": model_info, "attention_backend": args.attention_backend, "chunk": args.chunk,
+           "async_scheduling": engine.engine_config.async_scheduling,
            "max_model_len": engine.engine_config.max_model_len,
            "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "engine_build_s": build_s, "num_pages": info["num_pages"],

@@ -60,14 +60,14 @@ class Router(nn.Module):
         # kept in fp32 whatever the model dtype (the hub checkpoint stores them in fp32)
         self.weight = new_param((e, config.hidden_size), torch.float32, device, replicated_loader)
         self.e_score_correction_bias = new_param((e,), torch.float32, device, replicated_loader)
-        # "ref": torch's selection (the default until the fused kernel has been timed and checked on a GPU: its
-        # GPU test and the decode bench have not run yet); M3SERVE_FUSED_ROUTER=1 in the environment opts in to
-        # kernels/router.py (None: the kernel on CUDA, torch's elsewhere); "triton" forces the kernel
-        self.backend: str | None = None if os.environ.get("M3SERVE_FUSED_ROUTER") == "1" else "ref"
+        # None: the fused selection kernel on CUDA (kernels/router.py; GPU test and decode bench D2 in
+        # docs/benchmarks.md), torch's elsewhere; "ref" / "triton" force one. M3SERVE_FUSED_ROUTER=0 in the
+        # environment keeps torch's selection on CUDA too (a check against the reference path).
+        self.backend: str | None = "ref" if os.environ.get("M3SERVE_FUSED_ROUTER") == "0" else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (expert ids [T, k] int64, weights [T, k] fp32). The GEMM is torch's; the selection is
-        torch's or, opted in (`backend`), one kernel on CUDA (kernels/router.py)."""
+        one kernel on CUDA (kernels/router.py), torch's elsewhere or with `backend` "ref"."""
         logits = F.linear(x.float(), self.weight)
         return router_select(logits, self.e_score_correction_bias, self.top_k, self.scaling, backend=self.backend)
 

@@ -61,7 +61,9 @@ class EngineConfig:
     # async scheduling (workers/engine_api.py): schedule step n+1 and launch it while step n runs, its decode
     # rows' input ids taken on the device from n's sampled ids; n's tokens are read back and applied after.
     # In-process executor of a unified engine only; steps with grammar or penalty rows stay synchronous.
-    async_scheduling: bool = False
+    # None: on where the shard runs on CUDA (it hides the host's step work behind the device's; on the CPU the
+    # launch itself runs the forward, so there is nothing to hide), off elsewhere.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -92,6 +92,9 @@ class EngineAPI:
         """A core over a pool of `info["num_pages"]` pages, and its connector over `agents`."""
         self.num_pages: int = info["num_pages"]  # per rank
         self.page_size: int = info["page_size"]
+        if self.engine_config.async_scheduling is None:  # auto: on for a CUDA shard (EngineConfig)
+            on_cuda = str(info.get("device", "")).startswith("cuda")
+            self.engine_config = dataclasses.replace(self.engine_config, async_scheduling=on_cuda)
         core = EngineCore(self.engine_config, num_pages=self.num_pages, page_size=self.page_size,
                           eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, role=self.role,
                           grammars=self.grammars)

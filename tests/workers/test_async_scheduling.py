@@ -302,3 +302,20 @@ def test_a_failed_step_ahead_fails_only_its_requests(tiny_ckpt, where):
         assert out.outputs[0].token_ids == want[rid][0][0][:len(out.outputs[0].token_ids)]
     got = {rid: [(c.token_ids, c.logprobs, c.finish_reason) for c in last[rid].outputs] for rid in ("queued", "later")}
     assert_same(got, {rid: want[rid] for rid in ("queued", "later")})
+
+
+def test_the_default_switch_is_off_on_the_cpu_and_an_explicit_one_is_kept(tiny_ckpt):
+    """EngineConfig.async_scheduling None (the default) resolves by the shard's device: off on the CPU (the launch
+    runs the forward there; tests that count progress per step() see the synchronous step); True stays True."""
+    from workers.configio import from_dict
+
+    assert EngineConfig().async_scheduling is None
+    for given, want in ((None, False), (True, True), (False, False)):
+        eng = Engine(tiny_ckpt, engine_config=EngineConfig(num_pages=32, async_scheduling=given))
+        try:
+            assert eng.engine_config.async_scheduling is want and eng._runs_async() is want
+            assert eng.core.config.async_scheduling is want  # the core schedules ahead only if the engine does
+        finally:
+            eng.shutdown()
+    assert from_dict(EngineConfig, {"async_scheduling": None}).async_scheduling is None
+    assert from_dict(EngineConfig, {"async_scheduling": True}).async_scheduling is True
