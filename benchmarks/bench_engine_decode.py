@@ -25,7 +25,8 @@ continuation differs). Beside them, two bytes floors at PERF.md's 4.3 TB/s:
                   non-expert weight + the touched experts' weights + the KV the kernels read at that step's
                   context, averaged over the steps. Random weights route unevenly, so this is the honest one.
   uniform_floor_ms  the expected touched experts at uniform routing (benchmarks/kernels/bench_moe.py), as before.
-and, with --num-experts 128 only, PERF.md's target. `--profile B`: a torch-profiler table of one eager B-row decode
+and, with --num-experts 128 only, PERF.md's target. `--hf-reference`: transformers' decode step on the same weights
+and prompts (benchmarks/hf_reference.py), and its tokens' agreement with the graph run's. `--profile B`: a torch-profiler table of one eager B-row decode
 step's kernels (device time by kernel name) and the graph replay's, written to profile_B<b>.txt under --out.
 
   PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_decode.py                  # one H200, ~2-3 min
@@ -70,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
                    help="EngineConfig.async_scheduling: step n+1 scheduled and launched while step n runs "
                         "(auto: the engine's default, on for CUDA)")
+    p.add_argument("--hf-reference", action="store_true",
+                   help="also time transformers' decode step on the same weights and prompts (benchmarks/"
+                        "hf_reference.py; writes the checkpoint again in the transformers layout)")
     p.add_argument("--profile", default="", help="batch sizes to profile (eager step and graph replay kernels)")
     p.add_argument("--out", default=os.environ.get("OUT"), help=f"directory for {RESULT_NAME}")
     a = p.parse_args(argv)
@@ -86,15 +90,22 @@ def _say(msg: str) -> None:
 
 # ---- model and engine -------------------------------------------------------------------------------------------
 
+def slice_config(args):
+    """m3-slice with this run's expert count, bf16."""
+    from workers.models import preset_config
+
+    return dataclasses.replace(preset_config("m3-slice"), num_local_experts=args.num_experts,
+                               num_experts_per_tok=args.experts_per_tok, torch_dtype="bfloat16")
+
+
 def prepare_model(args) -> tuple[Path, dict]:
     """The checkpoint directory and what it holds: the tiny model, or m3-slice with fewer experts written now."""
     from msa.checkpoint import write_checkpoint
-    from workers.models import preset_config, tiny_model_dir
+    from workers.models import tiny_model_dir
 
     if args.tiny:
         return tiny_model_dir(), {"preset": "tiny", "dtype": "float32"}
-    config = dataclasses.replace(preset_config("m3-slice"), num_local_experts=args.num_experts,
-                                 num_experts_per_tok=args.experts_per_tok, torch_dtype="bfloat16")
+    config = slice_config(args)
     info = {"preset": "m3-slice", "num_local_experts": args.num_experts, "num_experts_per_tok": args.experts_per_tok,
             "dtype": "bfloat16"}
     out = Path(args.ckpt_dir or tempfile.mkdtemp(prefix=f"m3-slice-e{args.num_experts}-", dir="/tmp"))
@@ -250,9 +261,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"identical_requests": same, "requests": len(a), "mean_matching_prefix": statistics.mean(prefix)}
 
 
-def bench_batch(llm, args, b: int, vocab: int) -> dict:
+def batch_prompts(args, b: int, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed + b)
-    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.prompt_len)]} for _ in range(b)]
+    return [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(b)]
+
+
+def bench_batch(llm, args, b: int, vocab: int) -> tuple[dict, list[list[int]] | None]:
+    """-> (the row, the graph run's tokens per request)."""
+    prompts = [{"prompt_token_ids": p} for p in batch_prompts(args, b, vocab)]
     runner = llm.engine.executor.runner
     graphs = runner.graphs
     perf = not args.tiny and args.num_experts == 128  # PERF.md's numbers are for the full expert count
@@ -276,7 +292,7 @@ def bench_batch(llm, args, b: int, vocab: int) -> dict:
         row["agreement"] = agreement(tokens["graphs"], tokens["eager"])
         if "step_ms" in row["graphs"] and "step_ms" in row["eager"]:
             row["step_speedup"] = row["eager"]["step_ms"] / row["graphs"]["step_ms"]
-    return row
+    return row, tokens.get("graphs")
 
 
 def profile_decode(llm, prompts, args, b: int, steps: int = 4) -> str:
@@ -337,12 +353,17 @@ def _ratio(a, b) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
+def _agree(a: dict | None) -> str:
+    return f"{a['identical_requests']}/{a['requests']}" if a else "-"
+
+
 def format_table(doc: dict) -> str:
     head = (f"engine decode, {doc['model']['preset']} ({doc['model'].get('num_local_experts', '-')} experts), "
             f"prompt {doc['prompt_len']}, {doc['decode_tokens']} tokens, {doc['device_name']}; "
             f"graphs {doc['graph_sizes']} captured in {_f(doc['capture_s'])} s")
     cols = ("B", "eager step ms", "graph step ms", "speedup", "eager fwd ms", "graph fwd ms", "replay ms",
-            "routed floor", "replay/floor", "uniform floor", "experts/layer", "target", "same reqs")
+            "routed floor", "replay/floor", "uniform floor", "experts/layer", "target", "same reqs",
+            "hf step ms", "hf same reqs")
     lines = [head, " | ".join(cols)]
     for r in doc["rows"]:
         e, g, agree = r.get("eager", {}), r.get("graphs", {}), r.get("agreement")
@@ -350,9 +371,31 @@ def format_table(doc: dict) -> str:
                  _f(e.get("forward_ms")), _f(g.get("forward_ms")), _f(g.get("replay_ms")),
                  _f(r["floor_ms"]), _ratio(g.get("replay_ms"), r["floor_ms"]), _f(r["uniform_floor_ms"]),
                  _f(r["routing"]["mean_touched_per_layer"], "{:.1f}"), _f(r["perf_target_ms"]),
-                 f"{agree['identical_requests']}/{agree['requests']}" if agree else "-")
+                 _agree(agree),
+                 _f(r.get("hf", {}).get("step_ms")), _agree(r.get("hf", {}).get("agreement_with_graphs")))
         lines.append(" | ".join(c.rjust(len(h)) for c, h in zip(cells, cols)))
     return "\n".join(lines)
+
+
+def add_hf_reference(doc: dict, args, model_dir: Path, vocab: int, graph_tokens: dict) -> None:
+    """Each row's "hf": transformers' decode step on the same weights and prompts (benchmarks/hf_reference.py),
+    its tokens' agreement with the engine's graph run."""
+    import gc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import hf_reference
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    prompts = {b: batch_prompts(args, b, vocab) for b in args.batches}
+    hf = hf_reference.reference_rows(slice_config(args), model_dir, prompts, args.decode_tokens, seed=args.seed,
+                                     device=args.device)
+    for row in doc["rows"]:
+        res = dict(hf[row["B"]])
+        tokens, ours = res.pop("tokens", None), graph_tokens.get(row["B"])
+        if tokens is not None and ours is not None:
+            res["agreement_with_graphs"] = agreement(ours, tokens)
+        row["hf"] = res
 
 
 def save(doc: dict, out: str | None) -> None:
@@ -382,8 +425,9 @@ def main(argv=None) -> int:
            "num_pages": info["num_pages"], "rows": []}
     _say(f"engine up in {build_s:.1f} s; graphs {doc['graph_sizes']} captured in {_f(doc['capture_s'])} s")
     save(doc, args.out)
+    graph_tokens = {}
     for b in args.batches:
-        row = bench_batch(llm, args, b, runner.config.vocab_size)
+        row, graph_tokens[b] = bench_batch(llm, args, b, runner.config.vocab_size)
         _say(json.dumps(row))
         doc["rows"].append(row)
         save(doc, args.out)
@@ -395,7 +439,12 @@ def main(argv=None) -> int:
             if args.out:
                 (Path(args.out) / f"profile_B{b}.txt").write_text(table + "\n")
             _say(f"profile of B={b} written")
+    vocab = runner.config.vocab_size
     llm.engine.shutdown()
+    del llm, runner
+    if args.hf_reference and not args.tiny:
+        add_hf_reference(doc, args, model_dir, vocab, graph_tokens)
+        save(doc, args.out)
     print(format_table(doc), flush=True)
     return 0
 
