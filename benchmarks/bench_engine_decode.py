@@ -26,8 +26,9 @@ continuation differs). Beside them, two bytes floors at PERF.md's 4.3 TB/s:
                   context, averaged over the steps. Random weights route unevenly, so this is the honest one.
   uniform_floor_ms  the expected touched experts at uniform routing (benchmarks/kernels/bench_moe.py), as before.
 and, with --num-experts 128 only, PERF.md's target. `--hf-reference`: transformers' decode step on the same weights
-and prompts (benchmarks/hf_reference.py), and its tokens' agreement with the graph run's. `--profile B`: a torch-profiler table of one eager B-row decode
-step's kernels (device time by kernel name) and the graph replay's, written to profile_B<b>.txt under --out.
+and prompts (benchmarks/hf_reference.py), and its tokens' agreement with the graph run's. `--profile B`: a
+torch-profiler table of one eager B-row decode step's kernels (device time by kernel name) and the graph replay's,
+written to profile_B<b>.txt under --out.
 
   PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_decode.py                  # one H200, ~2-3 min
   PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_engine_decode.py --tiny --device cpu --batches 1,2
