@@ -110,10 +110,10 @@ def build_paced_app(args: argparse.Namespace):
             except Exception as e:
                 self._state, self._error = "failed", f"{type(e).__name__}: {e}"
 
-    def actor(options: dict) -> dict:  # deploy/streaming.py's replica knobs, unless --serve-threads default
+    def actor(options: dict) -> dict:  # deploy/stream/chunks.py's replica knobs, unless --serve-threads default
         if args.serve_threads == "default":
             return options
-        from deploy.streaming import replica_actor_options
+        from deploy.stream.chunks import replica_actor_options
 
         return replica_actor_options(**options)
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="environment of the Ray processes only (Serve knobs, e.g. "
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")
     p.add_argument("--serve-threads", choices=("app", "default"), default="app",
-                   help="app: the replicas run user code on Serve's loop (deploy/streaming.REPLICA_ENV_VARS); "
+                   help="app: the replicas run user code on Serve's loop (deploy/stream/chunks.REPLICA_ENV_VARS); "
                         "default: Serve's default (user code on a thread of its own)")
     p.add_argument("--out", default=None, help="result JSON")
     args = p.parse_args(argv)

@@ -5,7 +5,7 @@ engine's token ids (detokenizing, stop strings, logprob tokens: deploy/output.py
 responses or SSE chunks. Below this deployment there are only token ids.
 Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
 
-Streams (deploy/stream.py): the router decides where a request runs and answers a `Redirect`; the tokens then come
+Streams (deploy/stream/ingress_side.py): the router decides where a request runs and answers a `Redirect`; the tokens then come
 straight from that engine replica, through one subscription per engine replica shared by all this replica's requests,
 and leave as SSE events written without pydantic (`ChunkEncoder`), several tokens per event when we fell behind.
 """
@@ -34,7 +34,7 @@ from deploy.protocol import (ChatCompletionRequest, CompletionRequest, Detokeniz
                              ModelList, TokenizeChatRequest, TokenizeCompletionRequest, unknown_fields)
 from deploy.output import ChunkText
 from deploy.responses import Choice, Responder, apply
-from deploy.stream import EngineStreams, SSEResponse, Stream, guarded
+from deploy.stream.ingress_side import EngineStreams, SSEResponse, Stream, guarded
 
 logger = logging.getLogger("m3serve.ingress")
 
@@ -130,7 +130,7 @@ def model_name_for(config: ServeConfig, model_dir: str | Path) -> str:
 class Ingress:
     def __init__(self, router: DeploymentHandle, config: ServeConfig, model_dir: str, model_name: str) -> None:
         self._router = router
-        self._engines = EngineStreams(router)  # direct streams from the engine replicas (deploy/stream.py)
+        self._engines = EngineStreams(router)  # direct streams from the engine replicas (deploy/stream/ingress_side.py)
         self._config = config
         self._model_dir = model_dir
         self._model_name = model_name

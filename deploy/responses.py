@@ -15,7 +15,7 @@ from deploy.output import TokenText, chat_logprobs, completion_logprobs
 from deploy.prepare import Prepared
 from deploy.protocol import (SSE_DONE, ChatChoice, ChatCompletionResponse, ChunkEncoder, CompletionChoice,
                              CompletionResponse, EngineChunk, UsageInfo, chat_chunk_choice, completion_choice)
-from deploy.stream import Stream, merge
+from deploy.stream.ingress_side import Stream, interleave
 
 __all__ = ["Choice", "Responder", "apply", "usage_info"]
 
@@ -109,7 +109,7 @@ class Responder:
         generated = 0
         started: set[int] = set()
         enc = ChunkEncoder(id=prep.id, object="text_completion", model=prep.model)
-        async for p, chunk in merge(streams):
+        async for p, chunk in interleave(streams):
             for s in chunk.samples:
                 index = p * n + s.index
                 text, lp_ids, lp = s.text, list(s.token_ids), list(s.logprobs or [])
@@ -140,7 +140,7 @@ class Responder:
         opening = [chat_chunk_choice(index=i, role="assistant", content="") for i in range(prep.params.n)]
         yield enc.event(opening, None, prompt_token_ids=prep.prompts[0] if prep.return_token_ids else None)
         splitters = [chat.ChatStreamSplitter(prep.output or chat.OutputSpec()) for _ in range(prep.params.n)]
-        async for _, chunk in merge(streams):
+        async for _, chunk in interleave(streams):
             for s in chunk.samples:
                 generated += len(s.token_ids)
                 logprobs = None

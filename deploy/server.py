@@ -15,14 +15,13 @@ stream after the first token, attached whenever it comes) and `fail_remote` (the
 The router opens the KV pairs through `kv_listen` / `kv_connect`. Admission, placement and the pair calls are
 `KVSide`'s (deploy/server_pd.py), a mixin of this class.
 
-Streaming to the ingress (deploy/streaming.py): `generate` and `decode` are per-request streams. The ingress
-instead holds one `subscribe` stream per engine replica and starts each request with
-`start(subscriber, "generate" | "decode", args)`; every item of the subscription carries all its requests' new
+Streaming to the ingress (deploy/stream/, this replica's half in engine_side.py): `generate` and `decode` are
+per-request streams. The ingress instead holds one `subscribe` stream per engine replica and starts each request
+with `start(subscriber, "generate" | "decode", args)`; every item of the subscription carries all its requests' new
 events at once (first events included), so the Serve cost per step does not grow with the batch.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -36,7 +35,7 @@ from ray import serve
 from deploy.config import ServeConfig
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, param_of
 from deploy.server_pd import RETRY_AFTER_KV_S, FirstToken, KVSide, TransferOutcome
-from deploy.server_streams import DeltaTracker as _DeltaTracker, Outbox as _Outbox
+from deploy.stream.engine_side import DeltaTracker, Publisher
 from workers.config import Role
 from workers.stats import EngineStats, RequestStats
 
@@ -45,7 +44,6 @@ logger = logging.getLogger("m3serve.server")
 RETRY_AFTER_QUEUE_FULL_S = 1.0
 RETRY_AFTER_OOM_S = 1.0  # a step that ran out of memory: with less load beside it the request may fit
 SERVE_MARKS = 100_000  # (time, request id, kind, tokens) kept for debug_timeline: ~1 per token streamed
-SUBSCRIPTION_IDLE_S = 1.0  # an idle subscription still sends an empty item this often (a gone subscriber shows)
 
 
 def step_error(e) -> EngineError:
@@ -122,7 +120,7 @@ class EngineServer(KVSide):
         # decode call arrived), "arrive" (a unified generate call arrived). Serve hop = client arrival - chunk;
         # see debug_timeline.
         self._serve_marks: deque[tuple] = deque(maxlen=SERVE_MARKS)
-        self._boxes: dict[str, _Outbox] = {}  # subscriber (ingress replica) -> its requests' unsent events
+        self._subscriptions = Publisher()  # one stream per ingress replica for all the requests it started here
         # decode: what the prefill answered instead of sending the KV, for the request's stream (fail_remote)
         self._answers: dict[str, EngineEvent] = {}
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
@@ -216,14 +214,14 @@ class EngineServer(KVSide):
             return None
 
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt)
-        stream = self._stream(req.request_id, outputs, _DeltaTracker(), error_for)
+        stream = self._stream(req.request_id, outputs, DeltaTracker(), error_for)
         try:
             async for event in stream:
                 yield event
         finally:
             await stream.aclose()
 
-    async def _stream(self, request_id: str, outputs, tracker: "_DeltaTracker",
+    async def _stream(self, request_id: str, outputs, tracker: DeltaTracker,
                       error_for) -> AsyncIterator[EngineEvent]:
         """The deltas of one engine stream. `error_for(exc)` maps an engine exception to what the client sees
         (None: not an answer we give, re-raise); a dead step thread fails the replica. Closing the stream early
@@ -270,10 +268,7 @@ class EngineServer(KVSide):
             self._engine.stop(request_id, index, stop)
 
     async def abort(self, request_id: str) -> None:
-        for box in self._boxes.values():  # a subscribed request: its pump's stream aborts as it closes
-            task = box.pumps.get(request_id)
-            if task is not None:
-                task.cancel()
+        self._subscriptions.cancel(request_id)  # a subscribed request: its stream aborts as it closes
         if self._engine is not None:
             self._engine.abort(request_id)
 
@@ -285,27 +280,12 @@ class EngineServer(KVSide):
         item costs both processes CPU (and this one's step thread the GIL), so per-request streams did not keep
         up with 16 streams of an H200 decode. The first item is empty: from then on `start` may name
         `subscriber`. Ending the subscription (the subscriber left) aborts its requests."""
-        box = _Outbox()
-        old = self._boxes.get(subscriber)
-        if old is not None:  # the subscriber lost its stream and came back: what it started before is gone
-            old.close()
-        self._boxes[subscriber] = box
+        subscription = self._subscriptions.serve(subscriber)
         try:
-            yield []
-            while True:
-                try:
-                    await asyncio.wait_for(box.wake.wait(), SUBSCRIPTION_IDLE_S)
-                except asyncio.TimeoutError:
-                    yield []
-                    continue
-                box.wake.clear()
-                batch = box.take()
-                if batch:
-                    yield batch
+            async for item in subscription:
+                yield item
         finally:
-            if self._boxes.get(subscriber) is box:
-                del self._boxes[subscriber]
-            box.close()
+            await subscription.aclose()  # now, not when collected: its requests are aborted as it closes
 
     async def start(self, subscriber: str, method: str, args: tuple) -> EngineError | None:
         """Start a request whose stream is this server's `method(*args)` ("generate" or "decode"); every event of
@@ -313,30 +293,13 @@ class EngineServer(KVSide):
         the refusal when this replica has no subscription of `subscriber` (it restarted since). Why the first
         event does not come back as this call's answer: on 2 x H200 a unary answer reached the ingress 17-19 ms
         after it left, a subscription item ~7 ms."""
-        box = self._boxes.get(subscriber)
-        if box is None:  # this replica restarted since the subscriber subscribed
+        if not self._subscriptions.serves(subscriber):  # this replica restarted since the subscriber subscribed
             return EngineError(status=503, message=f"engine replica {self._role}-{self._index} lost the stream to "
                                                    f"this ingress; retry", code="engine_unavailable", retry_after=1.0)
         if method not in ("generate", "decode"):
             raise ValueError(f"method: {method!r} is not a stream of this server")
-        rid = args[0].request_id
-        box.pumps[rid] = asyncio.ensure_future(self._pump(box, rid, getattr(self, method)(*args)))
+        self._subscriptions.start(subscriber, args[0].request_id, getattr(self, method)(*args))
         return None
-
-    async def _pump(self, box: _Outbox, rid: str, events: AsyncIterator[EngineEvent]) -> None:
-        """Move one request's events into its subscriber's outbox. Cancelled (abort, subscriber gone): the
-        stream closes, which aborts the request in the engine."""
-        try:
-            async for event in events:
-                box.put(rid, event)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the subscriber gets an answer, not a hang
-            logger.exception("request %s: stream failed", rid)
-            box.put(rid, EngineError(status=500, message=f"the engine stream failed ({type(e).__name__})",
-                                     code="internal_error"))
-        finally:
-            box.pumps.pop(rid, None)
 
     # -- disaggregation: the prefill and decode streams (admission and KV pairs: deploy/server_pd.py) ---------
     async def prefill(self, req: EngineRequest, decode_group: str,
@@ -353,7 +316,7 @@ class EngineServer(KVSide):
         from workers.async_engine import EngineDeadError, QueueFullError
         from workers.request import StepFailedError
 
-        tracker = _DeltaTracker()
+        tracker = DeltaTracker()
         outputs = self._engine.generate(req.request_id, req.prompt_token_ids, req.params, prompt=req.prompt,
                                         handoff_to=decode_group, transfer_id=transfer_id)
         self._counters["started"] += 1
@@ -388,7 +351,7 @@ class EngineServer(KVSide):
             yield step_error(e)
         finally:
             await outputs.aclose()
-            ended = settled or (not handed_off and tracker._done)
+            ended = settled or (not handed_off and tracker.done)
             if not ended and not refused:  # cancelled: the engine frees the pages once the transfer lets go
                 self._engine.abort(req.request_id)
             self._counters["finished" if ended else "failed" if failed else "rejected" if refused
@@ -419,7 +382,7 @@ class EngineServer(KVSide):
         self._serve_marks.append((time.time(), req.request_id, "decode", 0))
         outputs = self._engine.generate_remote(req.request_id, first.token_id if first else None,
                                                first.logprobs if first else None)
-        stream = self._stream(req.request_id, outputs, _DeltaTracker(first), error_for)
+        stream = self._stream(req.request_id, outputs, DeltaTracker(first), error_for)
         try:
             async for event in stream:
                 yield event

@@ -24,15 +24,26 @@ CORE_BELOW_ENGINE = "the core and attention DP never import the engine"
 CORE_PURE = "the engine core runs no model and holds no text or KV agents"
 STEP_NO_TEXT = "the engine step makes no text"
 PD_BELOW_ROUTER = "the handoff, pair wiring and owner watch never import the router"
+STREAM_HALVES = "the stream's engine and ingress halves share only its chunks"
+ENGINE_NO_INGRESS = "the engine replica never imports the ingress side"
 CONTRACTS = (LAYERS, DEPLOY_PAST_WORKERS, NO_FRAMEWORKS, EXECUTORS_BELOW_ENGINE, CORE_BELOW_ENGINE, CORE_PURE,
-             STEP_NO_TEXT, PD_BELOW_ROUTER)
+             STEP_NO_TEXT, PD_BELOW_ROUTER, STREAM_HALVES, ENGINE_NO_INGRESS)
 
 # A minimal tree that respects every contract: deploy -> workers -> msa -> kernels, externals only where allowed.
 CLEAN_TREE = {
     "deploy/__init__.py": "",
-    "deploy/app.py": "import ray\nimport fastapi\nfrom workers import engine\nfrom deploy import ingress, router\n",
+    "deploy/app.py": ("import ray\nimport fastapi\nfrom workers import engine\n"
+                      "from deploy import ingress, router, server\n"),
     "deploy/output.py": "from workers import text\n",
-    "deploy/ingress.py": "",
+    "deploy/ingress.py": "from deploy import output, responses\nfrom deploy.stream import ingress_side\n",
+    "deploy/responses.py": "from deploy.stream import ingress_side\n",
+    "deploy/server.py": "from deploy import server_pd\nfrom deploy.stream import engine_side\n",
+    "deploy/server_pd.py": "",
+    "deploy/metrics_endpoint.py": "def f():\n    from deploy import app\n",
+    "deploy/stream/__init__.py": "",
+    "deploy/stream/chunks.py": "",
+    "deploy/stream/engine_side.py": "from deploy.stream import chunks\nfrom deploy import metrics_endpoint\n",
+    "deploy/stream/ingress_side.py": "from deploy.stream import chunks\nfrom deploy import output, metrics_endpoint\n",
     "deploy/testing.py": "from deploy import app, router\n",
     "deploy/router.py": "from deploy import pd, wiring, owners\n",
     "deploy/pd.py": "from deploy import wiring, owners\n",
@@ -119,6 +130,17 @@ def test_clean_fixture_tree_passes(tmp_path):
      PD_BELOW_ROUTER),
     ("the pair wiring imports the drills", {"deploy/wiring.py": "from deploy.testing import DrillRouter\n"},
      PD_BELOW_ROUTER),
+    ("the ingress half imports the engine half",
+     {"deploy/stream/ingress_side.py": "from deploy.stream import chunks, engine_side\n"}, STREAM_HALVES),
+    ("the engine half imports the ingress half lazily",
+     {"deploy/stream/engine_side.py": "def f():\n    from deploy.stream import ingress_side\n"}, STREAM_HALVES),
+    ("the chunks import a half", {"deploy/stream/chunks.py": "from deploy.stream import engine_side\n"},
+     STREAM_HALVES),
+    ("a stream module on neither side", {"deploy/stream/extra.py": ""}, STREAM_HALVES),
+    ("the engine server makes text",
+     {"deploy/server.py": "from deploy.stream import engine_side\nfrom deploy import output\n"}, ENGINE_NO_INGRESS),
+    ("the engine half calls the router",
+     {"deploy/stream/engine_side.py": "def f():\n    from deploy import router\n"}, ENGINE_NO_INGRESS),
 ])
 def test_forbidden_import_fails_and_names_the_contract(tmp_path, case, extra, contract):
     res = lint(make_tree(tmp_path, extra))

@@ -5,7 +5,7 @@ engine (never run on to its `max_tokens`), and the engines end idle: nothing run
 
 The cause of the lost abort this catches (about 1 in 3 before the fix): Serve cancels the child calls a cancelled
 HTTP request made (pending or in flight) when the cancellation reaches its replica wrapper, and the ingress sent the
-engine's abort from that request's own cleanup, as its child (see deploy/stream.py, `detached`)."""
+engine's abort from that request's own cleanup, as its child (see deploy/stream/ingress_side.py, `detached`)."""
 from __future__ import annotations
 
 import json

@@ -146,7 +146,8 @@ def _check_counts(server: _Server, prom: Prometheus, model: str) -> None:
 
 def _check_aborts(server: _Server, prom: Prometheus, model: str, max_model_len: int) -> None:
     """Clients that hang up: counted as aborted at the ingress and at the engine, never as successes, and none
-    left running (a lost abort used to leave ~1 in 3 runs with one; deploy/stream.py says why it cannot now)."""
+    left running (a lost abort used to leave ~1 in 3 runs with one; deploy/stream/ingress_side.py says why it
+    cannot now)."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": max_model_len - len(PROMPT), "temperature": 0,
             "ignore_eos": True}
     sel = f'{{model_name="{model}"}}'

@@ -136,7 +136,7 @@ def test_a_stop_before_any_engine_replica_aborts_through_the_router(tokenizer, s
     itself is not cancelled."""
     import asyncio
 
-    from deploy.stream import Stream
+    from deploy.stream.ingress_side import Stream
 
     ids = tokenizer.encode("abc xyz")
     first = chunks_of([ids], sizes=[1000], finish=None if stop_in_first else "length")[0]

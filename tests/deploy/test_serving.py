@@ -242,7 +242,7 @@ def _disconnect_after_three_chunks(serve_app) -> str | None:
 def test_client_disconnect_mid_stream_frees_pages(serve_app):
     """Close the connection after a few tokens of a long generation (450 tokens, ~4 s here): the engine aborts it
     (not finished: cut short) and frees its pages, three times in a row (the abort was once lost in several CI
-    runs; deploy/stream.py sends it outside the cancelled HTTP request's context)."""
+    runs; deploy/stream/ingress_side.py sends it outside the cancelled HTTP request's context)."""
     for _attempt in range(3):
         before = serve_app.wait_idle()[0]["counters"]
         assert _disconnect_after_three_chunks(serve_app) is not None

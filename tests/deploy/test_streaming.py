@@ -1,6 +1,7 @@
-"""deploy/streaming.py: a lagging consumer of a token stream gets fewer, larger chunks that carry exactly what the
-single chunks carried (tokens, text, logprobs, finish reasons, the prompt); errors keep their place. No Ray, no
-timing: the lag is made by yielding to the event loop a fixed number of times."""
+"""deploy/stream/ (chunks, engine_side, ingress_side): a lagging consumer of a token stream gets fewer, larger
+chunks that carry exactly what the single chunks carried (tokens, text, logprobs, finish reasons, the prompt);
+errors keep their place. No Ray, no timing: the lag is made by yielding to the event loop a fixed number of
+times."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import asyncio
 import pytest
 
 from deploy.protocol import EngineChunk, EngineError, SampleDelta
-from deploy.streaming import merge_chunks, merge_runs
+from deploy.stream.chunks import merge_chunks, merge_runs
 
 
 def chunk(step: int, *, n: int = 2, finish_at: int | None = None, logprobs: bool = True) -> EngineChunk:
@@ -83,7 +84,7 @@ async def consume(events, lag_turns: int) -> list:
 
 
 def test_event_queue_hands_over_what_piled_up_merged_then_its_error():
-    from deploy.streaming import EventQueue
+    from deploy.stream.chunks import EventQueue
 
     async def main():
         q = EventQueue()
@@ -103,10 +104,10 @@ def test_event_queue_hands_over_what_piled_up_merged_then_its_error():
 
 
 def test_outbox_sends_one_merged_chunk_per_request_and_keeps_errors_apart():
-    from deploy.server import _Outbox
+    from deploy.stream.engine_side import Outbox
 
     async def main():
-        box = _Outbox()
+        box = Outbox()
         box.put("a", chunk(0))
         box.put("b", chunk(0))
         box.put("a", chunk(1))
@@ -119,6 +120,49 @@ def test_outbox_sends_one_merged_chunk_per_request_and_keeps_errors_apart():
     batch = asyncio.run(main())
     assert [rid for rid, _ in batch] == ["a", "b", "b"]
     assert batch[0][1].samples[0].token_ids == [0, 1] and isinstance(batch[2][1], EngineError)
+
+
+def test_publisher_serves_each_subscriber_its_requests_and_closing_or_cancelling_ends_their_streams():
+    """The engine replica's subscriptions (deploy/stream/engine_side.py `Publisher`): a subscriber's stream opens
+    with an empty item, then carries its requests' events merged per request; `cancel` (an abort) and the stream's
+    end (the subscriber left) close each request's engine stream, which is what aborts it in the engine."""
+    from deploy.stream.engine_side import Publisher
+
+    closed: list[str] = []
+
+    async def engine_stream(rid: str, feed: asyncio.Queue):
+        try:
+            while True:
+                yield await feed.get()
+        finally:
+            closed.append(rid)
+
+    async def main():
+        pub = Publisher()
+        sub = pub.serve("ingress-1")
+        assert await sub.__anext__() == [] and pub.serves("ingress-1") and not pub.serves("ingress-2")
+        feeds = {rid: asyncio.Queue() for rid in ("a", "b")}
+        for rid, feed in feeds.items():
+            pub.start("ingress-1", rid, engine_stream(rid, feed))
+        for s in range(2):
+            feeds["a"].put_nowait(chunk(s))
+        feeds["b"].put_nowait(chunk(0))
+        got: dict[str, list[int]] = {}
+        while sum(len(v) for v in got.values()) < 3:
+            for rid, event in await sub.__anext__():
+                got.setdefault(rid, []).extend(event.samples[0].token_ids)
+        pub.cancel("a")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert closed == ["a"]
+        await sub.aclose()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        return got, pub.serves("ingress-1")
+
+    got, still_served = asyncio.run(main())
+    assert got == {"a": [0, 1], "b": [0]}
+    assert closed == ["a", "b"] and not still_served
 
 
 def test_chunk_encoder_writes_what_the_pydantic_chunks_write():
@@ -210,9 +254,9 @@ class _FakeEngine:
 
 
 def test_a_subscription_hands_each_request_its_events_and_a_broken_one_fails_only_its_own():
-    from deploy.stream import Subscription as _Subscription
+    from deploy.stream.ingress_side import Subscription as _Subscription
     from deploy.protocol import Redirect
-    from deploy.streaming import EventQueue
+    from deploy.stream.chunks import EventQueue
 
     def redirect(rid: str) -> Redirect:
         return Redirect(app_name="a", deployment="e", method="generate", args=(), request_id=rid, release_id=rid)
@@ -244,7 +288,7 @@ def test_a_subscription_hands_each_request_its_events_and_a_broken_one_fails_onl
 def test_a_delta_never_counts_a_token_it_did_not_carry():
     """The engine's outputs share its live token list; a token appended after the output was made (its logprobs
     snapshot is shorter) goes out with the next chunk, with its logprob, instead of being skipped."""
-    from deploy.server import _DeltaTracker
+    from deploy.stream.engine_side import DeltaTracker
     from workers.request import CompletionOutput, RequestOutput
 
     live = [10, 11]
@@ -255,7 +299,7 @@ def test_a_delta_never_counts_a_token_it_did_not_carry():
                                 finish_reason="length" if finished else None)
         return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], outputs=[comp], finished=finished)
 
-    tracker = _DeltaTracker()
+    tracker = DeltaTracker()
     first = out(2, "ab")
     live.append(12)  # the step thread moved on before `first` was sent
     lps.append({12: -0.3})

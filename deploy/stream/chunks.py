@@ -1,4 +1,4 @@
-"""Token streams between deployments: merge the chunks a lagging consumer missed into one.
+"""The unit of the ingress <-> engine stream and how it merges: a lagging consumer gets the chunks it missed as one.
 
 Every hop of a stream (EngineServer -> Router -> Ingress -> Serve's HTTP proxy -> client) costs CPU per item, not
 per token: a Ray streaming-generator item, a cross-thread hand-off, an SSE event. At one item per token, 16

@@ -1,4 +1,5 @@
-"""The ingress's side of each engine request: its event stream, how it ends, and what it owes when it ends.
+"""The ingress's half of the ingress <-> engine stream (deploy/stream/__init__.py): each engine request's event
+stream, how it ends, and what it owes when it ends.
 
 A request goes to the router, which answers a `Redirect` (or, disaggregated, streams the prefill's first token and
 then redirects); the tokens then come straight from the named engine replica, through one subscription per engine
@@ -35,7 +36,7 @@ from deploy.metrics_endpoint import RequestTiming
 from deploy.output import ChunkText
 from deploy.owners import this_owner
 from deploy.protocol import SSE_DONE, EngineChunk, EngineError, Redirect, sse_event
-from deploy.streaming import EventQueue
+from deploy.stream.chunks import EventQueue
 
 logger = logging.getLogger("m3serve.ingress")
 
@@ -392,9 +393,10 @@ class Stream:
             self.engines.release(self.request_id)
 
 
-async def merge(streams: list[Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
-    """Chunks of several requests as they arrive, tagged with the prompt index. Leaving early (client gone)
-    cancels every request still running."""
+async def interleave(streams: list[Stream]) -> AsyncIterator[tuple[int, EngineChunk]]:
+    """Chunks of several requests (one per prompt) as they arrive, tagged with the prompt index (not merged:
+    `chunks.merge_chunks` is what joins one request's chunks). Leaving early (client gone) cancels every request
+    still running."""
     if len(streams) == 1:
         try:
             async for chunk in streams[0].chunks():
