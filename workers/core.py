@@ -20,6 +20,8 @@ Contract:
   its pages are free (a prefill handoff's excepted: the scheduler keeps them for the transfer), its stats are
   closed (`pop_request_stats`), and its sequence ids reach the shards with the next batch (`released_seq_ids`).
 - Aborts (`abort_request`) free a request's pages in any state.
+- The bookkeeping beside the scheduler (stats, prompt logprobs, grammar states, released sequence ids) is the
+  core's `RequestTable` (workers/tracking.py).
 - Async scheduling (`config.async_scheduling`): with one step scheduled and launched, `schedule_ahead()` (where
   `can_schedule_ahead()`) schedules the next one before the first's result is known (the scheduler's
   `advance`/`resolve`; docs/architecture.md); `update` / `fail_step` always apply to the oldest scheduled step.
@@ -31,7 +33,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from workers.batch import StepBatch, build_step_batch
@@ -41,6 +43,7 @@ from workers.request import SamplingParams
 from workers.scheduler import Request, Scheduler, SchedulerOutput, Sequence as Seq
 from workers.stats import RequestStats
 from workers.structured import GrammarError, GrammarState, LazyCompiler
+from workers.tracking import RequestTable, Tracked, finished_reason
 
 if TYPE_CHECKING:  # the result type only: the core never runs a model
     from workers.runner import StepResult
@@ -61,23 +64,6 @@ class EngineCoreOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
-@dataclass(eq=False)
-class _Tracked:
-    """The core's state of one request beyond the scheduler's: stats and prompt logprobs."""
-
-    req: Request
-    stats: RequestStats
-    token_times: list[float] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # position 0 is None (nothing predicts it)
-    # structured output: one grammar state per sample (index = Sequence.index), advanced by each token the core
-    # appends (never by a recompute, which samples nothing new); None when the request is unconstrained
-    grammars: list[GrammarState] | None = None
-
-    @property
-    def prompt_logprobs_done(self) -> bool:
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.req.prompt_token_ids)
-
-
 @dataclass(slots=True)
 class _Step:
     """A scheduled step until its update: `ahead` once `advance` accounted it before its tokens were known."""
@@ -85,13 +71,6 @@ class _Step:
     sched_out: SchedulerOutput
     batch: StepBatch
     ahead: bool = False
-
-
-def needs_host_tokens(params: SamplingParams) -> bool:
-    """Whether a request's batch rows need its previous token on the host (a grammar's bitmask, a penalty's token
-    lists): while one is in flight the engine schedules synchronously (no step ahead)."""
-    return (params.structured is not None or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
 
 
 class EngineCore:
@@ -110,14 +89,9 @@ class EngineCore:
         self.pages = PageManager(num_pages, page_size, enable_prefix_caching=config.enable_prefix_caching,
                                  watermark=config.admission_watermark)
         self.scheduler = Scheduler(config, self.pages, eos_token_ids=self.eos_token_ids, vocab_size=vocab_size)
-        self._tracked: dict[str, _Tracked] = {}
-        self._prompt_logprob_pending: dict[str, _Tracked] = {}
-        self._released_seq_ids: list[int] = []  # gone since the last batch: the shards drop their sampler state
-        self._finished_stats: list[RequestStats] = []
-        self._retired_now: dict[str, _Tracked] = {}  # retired by the latest update (a stop string may follow)
+        self.requests = RequestTable(role)  # what the core keeps of each request beyond the scheduler's state
         # steps scheduled and not yet updated, oldest first: one, or two while async scheduling runs one ahead
         self._steps: deque[_Step] = deque()
-        self._needs_host_tokens: set[str] = set()  # requests whose next batch needs their last token on the host
 
     # ---- requests ---------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -153,7 +127,7 @@ class EngineCore:
             self._compile(params)  # a bad grammar raises before anything is queued
         req = self.scheduler.add_request(request_id, prompt_token_ids, params, arrival_time=arrival_time,
                                          handoff=handoff)
-        self._track(req)
+        self.requests.add(req, self._new_grammars(req))
         return req
 
     def add_remote(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
@@ -164,38 +138,24 @@ class EngineCore:
             self._compile(params)
         req = self.scheduler.add_remote(request_id, prompt_token_ids, params, arrival_time=arrival_time)
         if req is not None:
-            self._track(req)
+            self.requests.add(req, self._new_grammars(req))
         return req
 
     def withdraw_remote(self, request_id: str) -> None:
         """Undo `add_remote` (its KV cannot be prepared): pages freed, no stats recorded."""
         self.scheduler.abort(request_id)
-        self._tracked.pop(request_id, None)
-        self._needs_host_tokens.discard(request_id)
+        self.requests.drop(request_id)
 
     def activate_remote(self, request_id: str, first_token: int,
                         first_logprobs: dict[int, float] | None) -> list[EngineCoreOutput]:
         """Decode role: the prompt's KV landed and its first token is known; it decodes from the next step."""
-        t = self._tracked[request_id]
+        t = self.requests[request_id]
         seq = self.scheduler.activate_remote(request_id, first_token)
         self._advance_grammar(t, seq, first_token)  # the prefill engine sampled it under the same grammar
-        out = self._on_token(t, seq, first_token, first_logprobs, time.monotonic())
+        out = _token_output(t, seq, first_token, first_logprobs, time.monotonic())
         if t.req.finished:
-            self._retire(t)
+            self.requests.retire(t)
         return [out]
-
-    def _track(self, req: Request) -> None:
-        params = req.params
-        t = _Tracked(req=req, stats=RequestStats(request_id=req.request_id, role=self.role,
-                                                 prompt_tokens=len(req.prompt_token_ids),
-                                                 arrival_time=req.arrival_time),
-                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
-                     grammars=self._new_grammars(req))
-        self._tracked[req.request_id] = t
-        if needs_host_tokens(params):
-            self._needs_host_tokens.add(req.request_id)
-        if params.prompt_logprobs is not None and len(req.prompt_token_ids) > 1:
-            self._prompt_logprob_pending[req.request_id] = t
 
     def abort_request(self, request_id: str, *, reason: str = "abort",
                       failure_reason: str | None = None) -> Request | None:
@@ -203,39 +163,36 @@ class EngineCore:
         "error" for a failed step). `failure_reason` (e.g. "transfer") marks its stats as failed. Returns the
         request, None if unknown or finished."""
         req = self.scheduler.abort(request_id, reason=reason)
-        t = self._tracked.pop(request_id, None)
-        self._prompt_logprob_pending.pop(request_id, None)
-        self._needs_host_tokens.discard(request_id)
+        t = self.requests.drop(request_id)
         if req is None:
             return None
-        self._released_seq_ids.extend(s.seq_id for s in req.seqs)
         if t is not None:
             t.stats.failure_reason = failure_reason
-            self._close_stats(t, "abort" if failure_reason is None else "error")
+        self.requests.ended(req, t, "abort" if failure_reason is None else "error")
         return req
 
     def stop_sequence(self, request_id: str, index: int, stop: str) -> None:
         """A stop string ended sample `index` (whoever makes the text found it, between steps): finish it with
         reason "stop". A sample a length limit (or a handoff) ended in the latest step takes the stop instead."""
-        t = self._tracked.get(request_id) or self._retired_now.get(request_id)
+        t, retired = self.requests.live_or_retired_now(request_id)
         if t is None:
             return
         seq = t.req.seqs[index]
         if seq.finished:
             seq.finish_reason, seq.stop_reason = "stop", stop
-            if request_id in self._retired_now:
-                t.stats.finished_reason = _finished_reason(t.req)
+            if retired:
+                t.stats.finished_reason = finished_reason(t.req)
             return
         self.scheduler.finish(seq, "stop", stop)
         if t.req.finished:
-            self._retire(t)
+            self.requests.retire(t)
 
     def holds(self, request_id: str) -> bool:
         """Whether the request is in flight here (queued, running, or awaiting its KV)."""
-        return request_id in self._tracked
+        return request_id in self.requests
 
     def request_ids(self) -> list[str]:
-        return list(self._tracked)
+        return self.requests.ids()
 
     def has_unfinished(self) -> bool:
         """Requests a step can move on (queued or running; not those waiting on a KV transfer)."""
@@ -251,7 +208,7 @@ class EngineCore:
         """Whether `schedule_ahead` may run now: async scheduling on, a unified engine (a KV handoff or a remote
         decode is synchronous), exactly one step in flight, and no request whose rows need host tokens."""
         return (self.config.async_scheduling and self.role == "unified" and len(self._steps) == 1
-                and not self._steps[0].ahead and not self._needs_host_tokens)
+                and not self._steps[0].ahead and not self.requests.any_needs_host_tokens)
 
     def schedule_ahead(self) -> StepBatch | None:
         """Async scheduling: the next step's batch while the one in flight still runs (`can_schedule_ahead`).
@@ -271,11 +228,10 @@ class EngineCore:
             if self.scheduler.has_unfinished() and not sched_out.preempted and not self._steps:
                 raise RuntimeError("scheduler: requests are queued but none could be scheduled")
             return None
-        progress = {t.req.seqs[0].seq_id: len(t.prompt_logprobs) for t in self._prompt_logprob_pending.values()}
         batch = build_step_batch(sched_out, self.pages, eos_token_ids=self.eos_token_ids,
-                                 released_seq_ids=self._released_seq_ids, prompt_logprob_progress=progress,
-                                 grammar_of=self._grammar_of, pending_rows=pending_rows)
-        self._released_seq_ids = []
+                                 released_seq_ids=self.requests.take_released(),
+                                 prompt_logprob_progress=self.requests.prompt_logprob_progress(),
+                                 grammar_of=self.requests.grammar_of, pending_rows=pending_rows)
         self._steps.append(_Step(sched_out, batch))
         return batch
 
@@ -292,9 +248,9 @@ class EngineCore:
         """Apply the executor's result to the oldest scheduled step (see the module docstring)."""
         step = self._take_scheduled()
         sched_out, batch = step.sched_out, step.batch
-        self._retired_now = {}
+        self.requests.begin_update()
         for pc, dicts in zip(batch.prompt_logprob_chunks, result.prompt_logprobs, strict=True):
-            self._on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
+            self.requests.on_prompt_logprobs(sched_out.chunks[pc.chunk_index].seq.request.request_id, pc.start, dicts)
         sampled: list[int | None] = [None] * len(sched_out.chunks)
         row_of_seq: dict[int, int] = {}
         for r, (ci, tok) in enumerate(zip(batch.sample_chunks, result.token_ids, strict=True)):
@@ -307,20 +263,17 @@ class EngineCore:
         now = time.monotonic()
         outputs = []
         for seq, token in update.new_tokens:
-            t = self._tracked[seq.request.request_id]
+            t = self.requests[seq.request.request_id]
             self._advance_grammar(t, seq, token)
-            outputs.append(self._on_token(t, seq, token, result.logprobs[row_of_seq[seq.seq_id]], now))
+            outputs.append(_token_output(t, seq, token, result.logprobs[row_of_seq[seq.seq_id]], now))
         ended = [seq for seq, _ in update.new_tokens if seq.finished] + update.finished
         for rid in dict.fromkeys(seq.request.request_id for seq in ended if seq.request.finished):
-            if rid in self._tracked:
-                self._retire(self._tracked[rid])
+            t = self.requests.get(rid)
+            if t is not None:
+                self.requests.retire(t)
         return outputs
 
-    def _grammar_of(self, seq: Seq) -> GrammarState | None:
-        t = self._tracked.get(seq.request.request_id)
-        return None if t is None or t.grammars is None else t.grammars[seq.index]
-
-    def _advance_grammar(self, t: _Tracked, seq: Seq, token: int) -> None:
+    def _advance_grammar(self, t: Tracked, seq: Seq, token: int) -> None:
         """Feed a constrained sequence's new token to its grammar; the grammar's end (EOS accepted) finishes it
         with "stop" even where the scheduler would not (ignore_eos, min_tokens). A token the grammar refuses
         cannot come from the masked sampler: if one does, the sequence ends with "error" rather than go on
@@ -340,7 +293,7 @@ class EngineCore:
         with "error", stats failed with `failure_reason`); one output per sample of each."""
         step = self._take_scheduled()
         sched_out, batch = step.sched_out, step.batch
-        self._released_seq_ids[:0] = batch.released_seq_ids  # in case the shard never saw them
+        self.requests.unrelease(batch.released_seq_ids)  # in case the shard never saw them
         outputs = []
         for rid in dict.fromkeys(c.seq.request.request_id for c in sched_out.chunks):
             req = self.abort_request(rid, reason="error", failure_reason=failure_reason)
@@ -355,51 +308,8 @@ class EngineCore:
             raise RuntimeError("update: no step is scheduled")
         return self._steps.popleft()
 
-    def _on_prompt_logprobs(self, request_id: str, start: int, dicts: list[dict[int, float]]) -> None:
-        t = self._prompt_logprob_pending.get(request_id)
-        if t is None:
-            return
-        for j, d in enumerate(dicts):
-            if start + 1 + j == len(t.prompt_logprobs):  # in order, each position once (recompute repeats some)
-                t.prompt_logprobs.append(d)
-        if t.prompt_logprobs_done:
-            del self._prompt_logprob_pending[request_id]
-
-    def _on_token(self, t: _Tracked, seq: Seq, token: int, logprobs: dict[int, float] | None,
-                  now: float) -> EngineCoreOutput:
-        if t.stats.first_token_time is None:
-            t.stats.first_token_time = now
-        t.token_times.append(now)
-        wants_logprobs = t.req.params.logprobs is not None
-        return EngineCoreOutput(t.req.request_id, seq.index, [token], [logprobs or {}] if wants_logprobs else None,
-                                seq.finish_reason, seq.stop_reason,
-                                list(t.prompt_logprobs) if t.prompt_logprobs_done else None)
-
-    def _retire(self, t: _Tracked) -> None:
-        """Every sample finished: forget the request, close its stats."""
-        req = t.req
-        self._released_seq_ids.extend(s.seq_id for s in req.seqs)
-        del self._tracked[req.request_id]
-        self._prompt_logprob_pending.pop(req.request_id, None)
-        self._needs_host_tokens.discard(req.request_id)
-        self._retired_now[req.request_id] = t
-        self._close_stats(t, None)
-
-    def _close_stats(self, t: _Tracked, reason: str | None) -> None:
-        s = t.stats
-        req = t.req
-        s.generation_tokens = sum(q.num_output_tokens for q in req.seqs)
-        s.finished_reason = reason or _finished_reason(req)
-        s.finished_time = time.monotonic()
-        s.token_times = t.token_times
-        s.num_preemptions = sum(q.num_preemptions for q in req.seqs)
-        s.prefix_cache_hit_tokens = req.prefix_cache_hit_tokens
-        s.first_scheduled_time = req.first_scheduled_time
-        self._finished_stats.append(s)
-
     def pop_request_stats(self) -> list[RequestStats]:
-        out, self._finished_stats = self._finished_stats, []
-        return out
+        return self.requests.pop_stats()
 
     # ---- pages ------------------------------------------------------------------------------------------
     def free_pages(self, seq_id: int) -> None:
@@ -407,7 +317,12 @@ class EngineCore:
         self.pages.free(seq_id)
 
 
-def _finished_reason(req: Request) -> str:
-    reasons = [q.finish_reason for q in req.seqs]
-    return "stop" if "stop" in reasons else reasons[0]
+def _token_output(t: Tracked, seq: Seq, token: int, logprobs: dict[int, float] | None,
+                  now: float) -> EngineCoreOutput:
+    """Sequence `seq` of `t` got `token` at `now`: its timing recorded, what the step did to it."""
+    t.record_token(now)
+    wants_logprobs = t.req.params.logprobs is not None
+    return EngineCoreOutput(t.req.request_id, seq.index, [token], [logprobs or {}] if wants_logprobs else None,
+                            seq.finish_reason, seq.stop_reason,
+                            list(t.prompt_logprobs) if t.prompt_logprobs_done else None)
 
