@@ -215,3 +215,30 @@ def test_stop_finishes_a_sample_with_its_stop_string(make_async):
     ae.stop("s", 0, "END")  # gone already: nothing happens
     wait_until(lambda: ae.stats().num_pages_free == total and not ae.engine.has_unfinished())
     assert [s.finished_reason for s in ae.pop_request_stats()] == ["stop"]
+
+
+def test_one_step_reaches_each_event_loop_in_one_call():
+    """The step thread hands a step's outputs to an event loop in one call_soon_threadsafe (one wake-up), in order;
+    a closed loop is skipped without failing the others."""
+    import asyncio
+
+    from workers.async_engine import _put_all, _Stream
+
+    class CountingLoop(asyncio.SelectorEventLoop):
+        calls = 0
+
+        def call_soon_threadsafe(self, *args, **kw):
+            CountingLoop.calls += 1
+            return super().call_soon_threadsafe(*args, **kw)
+
+    loop, closed = CountingLoop(), asyncio.new_event_loop()
+    closed.close()
+    try:
+        queues = [asyncio.Queue() for _ in range(3)]
+        streams = [_Stream(loop, q) for q in queues] + [_Stream(closed, asyncio.Queue())]
+        _put_all([(streams[0], "a0"), (streams[1], "b0"), (streams[3], "x"), (streams[0], "a1"), (streams[2], "c0")])
+        assert CountingLoop.calls == 1
+        loop.run_until_complete(asyncio.sleep(0))
+        assert [[q.get_nowait() for _ in range(q.qsize())] for q in queues] == [["a0", "a1"], ["b0"], ["c0"]]
+    finally:
+        loop.close()
