@@ -37,10 +37,12 @@ class ChatRequestError(ValueError):
 @dataclass(frozen=True)
 class OutputSpec:
     """How one chat request's output is split: `tools` (OpenAI tool dicts) when calls are parsed, else None;
-    `starts_in_reasoning` when the prompt left the model inside `<mm:think>`."""
+    `starts_in_reasoning` when the prompt left the model inside `<mm:think>`; `single_call` when the request said
+    `parallel_tool_calls: false` (OpenAI: at most one call; calls the model writes after the first are dropped)."""
 
     tools: list[dict] | None = None
     starts_in_reasoning: bool = False
+    single_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest, server_kwargs: dict
     except Exception as e:  # jinja2 errors, and TypeErrors from kwargs the template uses in its own way
         raise ChatRequestError("messages", f"the chat template rejected them: {e}") from None
     starts = body.add_generation_prompt and prompt_starts_in_reasoning(text)
-    return RenderedChat(text, OutputSpec(tools=tools, starts_in_reasoning=starts))
+    return RenderedChat(text, OutputSpec(tools=tools, starts_in_reasoning=starts,
+                                         single_call=tools is not None and body.parallel_tool_calls is False))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,7 +155,7 @@ def parse_output(text: str, spec: OutputSpec) -> ChatOutput:
         parsed = parse_tool_calls(content, spec.tools)
         content = parsed.content
         calls = [ToolCallOut(id=c.id, type="function", function=ToolCallFunction(name=c.name, arguments=c.arguments))
-                 for c in parsed.tool_calls]
+                 for c in parsed.tool_calls[:1 if spec.single_call else None]]
     if calls and not content.strip():
         content = None
     return ChatOutput(content=content, reasoning=r.reasoning, tool_calls=calls)
@@ -181,6 +184,7 @@ class ChatStreamSplitter:
     def __init__(self, spec: OutputSpec) -> None:
         self._reasoning = ReasoningStreamParser(spec.starts_in_reasoning)
         self._tools = ToolCallStreamParser(spec.tools) if spec.tools is not None else None
+        self._max_calls = 1 if spec.single_call else None  # deltas of later calls are dropped (parse_output's)
         self.made_calls = False
 
     def feed(self, text: str, final: bool = False) -> StreamPiece:
@@ -192,7 +196,8 @@ class ChatStreamSplitter:
         if self._tools is None:
             return StreamPiece(content=content, reasoning=reasoning)
         pieces = [self._tools.feed(content)] + ([self._tools.finish()] if final else [])
-        calls = [_call_delta(d) for p in pieces for d in p.tool_calls]
+        calls = [_call_delta(d) for p in pieces for d in p.tool_calls
+                 if self._max_calls is None or d.index < self._max_calls]
         self.made_calls = self.made_calls or bool(calls)
         return StreamPiece(content="".join(p.content for p in pieces), reasoning=reasoning, tool_calls=calls)
 

@@ -10,9 +10,9 @@ A forced tool call is an xgrammar structural tag for MiniMax-M3's syntax (../sha
 `NS<tool_call>\\n`, one `NS<invoke name="F">` whose arguments are the tool's JSON schema written in M3's
 namespace XML (xgrammar's `minimax_m3_xml` style: typed scalars, nested elements, `NS<item>` lists), `NS</invoke>\\n`,
 `NS</tool_call>`, then EOS. "required" lets the model pick among all offered tools, a named choice allows only
-that one. One call per forced turn, unless the request says `parallel_tool_calls: true` with "required": then
-one to `MAX_PARALLEL_CALLS` invokes in the one wrapper (the bound keeps a random or confused model from looping
-over calls until max_tokens). The model may never write free text first.
+that one. "required" allows one to `MAX_PARALLEL_CALLS` invokes in the one wrapper (the bound keeps a random or
+confused model from looping over calls until max_tokens) unless the request says `parallel_tool_calls: false`
+(OpenAI's default is true); then, and for a named function, exactly one. The model may never write free text first.
 
 Reasoning: when the rendered prompt leaves the model inside `<mm:think>` (thinking on), every constraint is
 preceded by a forced `</mm:think>`: a constrained answer skips its reasoning rather than leave the grammar's
@@ -151,9 +151,8 @@ def chat_spec(body: Any, tools: list[dict] | None, starts_in_reasoning: bool) ->
     if forced is not None:
         if spec is not None:
             raise ChatRequestError("tool_choice", f"a forced tool call cannot be combined with {spec.source}")
-        # parallel calls only where the client asked for them (the OpenAI default, true, is not assumed: a
-        # forced turn stays one call unless `parallel_tool_calls: true` says the client takes several)
-        spec = tool_call_spec(forced, parallel=body.tool_choice == "required" and body.parallel_tool_calls is True)
+        # OpenAI's default for parallel_tool_calls is true: only an explicit false makes "required" one call
+        spec = tool_call_spec(forced, parallel=body.tool_choice == "required" and body.parallel_tool_calls is not False)
     if spec is not None and starts_in_reasoning:
         spec = after_reasoning(spec)
     return spec

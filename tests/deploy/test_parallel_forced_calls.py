@@ -1,6 +1,7 @@
-"""`tool_choice: "required"` with `parallel_tool_calls: true` (issue 20): one or more calls, each to a listed tool,
-in M3's one wrapper (deploy/guided.py, an xgrammar `repeat` inside the structural tag). Without the flag, and
-for a named function, a forced turn stays exactly one call.
+"""`tool_choice: "required"` (issue 20): one or more calls, each to a listed tool, in M3's one wrapper
+(deploy/guided.py, an xgrammar `repeat` inside the structural tag), as OpenAI's default `parallel_tool_calls: true`
+allows. With `parallel_tool_calls: false`, and for a named function, a forced turn is exactly one call; an unforced
+answer's calls after the first are dropped (whole and streamed), as OpenAI and vLLM do.
 
 The grammar on its own (against the syntax the tool parser reads), then through the running server with the
 `openai` client on the random tiny model: over seeds every reply is >= 1 valid call, some seeds write several,
@@ -56,8 +57,10 @@ def _accepts(compiler, body, text: str) -> bool:
     return m.accept_string(text) and m.is_completed()
 
 
-def test_parallel_grammar_takes_one_to_the_bound_of_calls(compiler):
-    body = _body(tool_choice="required", parallel_tool_calls=True)
+@pytest.mark.parametrize("fields", [{"tool_choice": "required", "parallel_tool_calls": True},
+                                    {"tool_choice": "required"}], ids=["required-true", "required-default"])
+def test_parallel_grammar_takes_one_to_the_bound_of_calls(compiler, fields):
+    body = _body(**fields)
     assert _accepts(compiler, body, _wrap(TIME))
     assert _accepts(compiler, body, _wrap(TIME, DAY, TIME))
     assert _accepts(compiler, body, _wrap(*[DAY] * guided.MAX_PARALLEL_CALLS))
@@ -71,14 +74,35 @@ def test_parallel_grammar_takes_one_to_the_bound_of_calls(compiler):
 
 
 @pytest.mark.parametrize("fields", [
-    {"tool_choice": "required"},  # parallel_tool_calls left out: one call
     {"tool_choice": "required", "parallel_tool_calls": False},
     {"tool_choice": {"type": "function", "function": {"name": "get_day"}}, "parallel_tool_calls": True},
-], ids=["required-default", "required-false", "named-true"])
+    {"tool_choice": {"type": "function", "function": {"name": "get_day"}}},
+], ids=["required-false", "named-true", "named-default"])
 def test_without_parallel_a_forced_turn_is_one_call(compiler, fields):
     body = _body(**fields)
     assert _accepts(compiler, body, _wrap(DAY))
     assert not _accepts(compiler, body, _wrap(DAY, DAY))
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed(parallel):
+    """tool_choice "auto": the model wrote two calls; `parallel_tool_calls: false` answers with the first only
+    (message and stream alike, finish_reason tool_calls); left out or true, both."""
+    fields = {} if parallel is None else {"parallel_tool_calls": parallel}
+    spec = chat.OutputSpec(tools=TOOLS, single_call=_body(**fields).parallel_tool_calls is False)
+    text = _wrap(TIME, DAY)
+    want = [("get_time", '{"zone": "utc"}')] + ([] if parallel is False else [("get_day", '{"offset": 4}')])
+    message, reason = chat.response_message(text, spec, "stop")
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == want
+    assert reason == "tool_calls" and message.content is None
+    splitter = chat.ChatStreamSplitter(spec)
+    pieces = [splitter.feed(text[i:i + 7], final=i + 7 >= len(text)) for i in range(0, len(text), 7)]
+    streamed: dict[int, list[str]] = {}
+    for d in (d for p in pieces for d in p.tool_calls):
+        entry = streamed.setdefault(d["index"], [d["function"]["name"], ""])
+        entry[1] += d["function"]["arguments"]
+    assert [(n, a) for _, (n, a) in sorted(streamed.items())] == want
+    assert splitter.made_calls and "".join(p.content for p in pieces).strip() == ""
 
 
 PAR_APP = "tools-parallel"
@@ -126,8 +150,11 @@ def test_required_parallel_through_the_server(par_app):
         assert len({c.id for c in choice.message.tool_calls}) == len(calls)
         counts.append(len(calls))
     assert max(counts) > 1, counts  # the grammar lets the model go on: some seeds do
-    # the same seeds without the flag: one call each
-    single = asyncio.run(_chats(par_app, SEEDS, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS))
+    # the same seeds with the flag left out (OpenAI's default, true): several calls again; with false: one each
+    default = asyncio.run(_chats(par_app, SEEDS, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS))
+    assert max(len(r.choices[0].message.tool_calls) for r in default) > 1
+    single = asyncio.run(_chats(par_app, SEEDS, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                max_tokens=MAX_TOKENS))
     assert [len(r.choices[0].message.tool_calls) for r in single] == [1] * len(SEEDS)
     par_app.wait_idle()
 

@@ -121,7 +121,9 @@ def _check_call(choice, names: set[str]) -> None:
                                            ({"type": "function", "function": {"name": "get_weather"}},
                                             {"get_weather"})], ids=["required", "named"])
 def test_forced_tool_call_is_a_valid_call_to_a_listed_tool(tools_app, choice, names):
-    replies = asyncio.run(_chats(tools_app, SEEDS, tools=TOOLS, tool_choice=choice, max_tokens=CALL_TOKENS))
+    # one call per forced turn (parallel_tool_calls false; the parallel grammar: test_parallel_forced_calls.py)
+    replies = asyncio.run(_chats(tools_app, SEEDS, tools=TOOLS, tool_choice=choice, max_tokens=CALL_TOKENS,
+                                 parallel_tool_calls=False))
     for r in replies:
         _check_call(r.choices[0], names)
     if choice == "required":  # the model chooses: both tools come up over the seeds
@@ -133,7 +135,7 @@ def test_forced_tool_call_streamed(tools_app):
     for seed in range(3):
         stream = client.chat.completions.create(model=tools_app.model, messages=USER, tools=TOOLS,
                                                 tool_choice="required", temperature=1.0, seed=seed,
-                                                max_tokens=CALL_TOKENS, stream=True)
+                                                max_tokens=CALL_TOKENS, stream=True, parallel_tool_calls=False)
         calls: dict[int, dict] = {}
         finish = None
         for chunk in stream:
