@@ -26,7 +26,8 @@ continuation differs). Beside them, two bytes floors at PERF.md's 4.3 TB/s:
                   context, averaged over the steps. Random weights route unevenly, so this is the honest one.
   uniform_floor_ms  the expected touched experts at uniform routing (benchmarks/kernels/bench_moe.py), as before.
 and, with --num-experts 128 only, PERF.md's target. `--hf-reference`: transformers' decode step on the same weights
-and prompts (benchmarks/hf_reference.py), and its tokens' agreement with the graph run's. `--profile B`: a
+and prompts (benchmarks/hf_reference.py; the checkpoint is then written in the transformers layout, which the
+engine reads too), and its tokens' agreement with the graph run's. `--profile B`: a
 torch-profiler table of one eager B-row decode step's kernels (device time by kernel name) and the graph replay's,
 written to profile_B<b>.txt under --out.
 
@@ -74,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(auto: the engine's default, on for CUDA)")
     p.add_argument("--hf-reference", action="store_true",
                    help="also time transformers' decode step on the same weights and prompts (benchmarks/"
-                        "hf_reference.py; writes the checkpoint again in the transformers layout)")
+                        "hf_reference.py; the checkpoint is written in the transformers layout, read by both)")
     p.add_argument("--profile", default="", help="batch sizes to profile (eager step and graph replay kernels)")
     p.add_argument("--out", default=os.environ.get("OUT"), help=f"directory for {RESULT_NAME}")
     a = p.parse_args(argv)
@@ -110,10 +111,16 @@ def prepare_model(args) -> tuple[Path, dict]:
     info = {"preset": "m3-slice", "num_local_experts": args.num_experts, "num_experts_per_tok": args.experts_per_tok,
             "dtype": "bfloat16"}
     out = Path(args.ckpt_dir or tempfile.mkdtemp(prefix=f"m3-slice-e{args.num_experts}-", dir="/tmp"))
+    # --hf-reference: the transformers layout, which transformers and the engine both read (one file, one weights)
+    layout = "transformers" if args.hf_reference else "hub"
+    if args.hf_reference and args.ckpt_dir:
+        out = Path(f"{args.ckpt_dir}-transformers")
     if not (out / "config.json").is_file():
         t0 = time.perf_counter()
-        write_checkpoint(config, out, seed=args.seed, dtype=torch.bfloat16, num_shards=4, device=args.device)
+        write_checkpoint(config, out, seed=args.seed, dtype=torch.bfloat16, num_shards=4, device=args.device,
+                         layout=layout)
         info["write_s"] = time.perf_counter() - t0
+    info["layout"] = layout
     return out, info
 
 
@@ -389,8 +396,7 @@ def add_hf_reference(doc: dict, args, model_dir: Path, vocab: int, graph_tokens:
     gc.collect()
     torch.cuda.empty_cache()
     prompts = {b: batch_prompts(args, b, vocab) for b in args.batches}
-    hf = hf_reference.reference_rows(slice_config(args), model_dir, prompts, args.decode_tokens, seed=args.seed,
-                                     device=args.device)
+    hf = hf_reference.reference_rows(model_dir, prompts, args.decode_tokens, device=args.device)
     for row in doc["rows"]:
         res = dict(hf[row["B"]])
         tokens, ours = res.pop("tokens", None), graph_tokens.get(row["B"])

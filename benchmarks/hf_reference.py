@@ -1,7 +1,7 @@
 """transformers' MiniMax-M3 on the same weights and prompts: the reference decode step of bench_engine_decode.py.
 
-`--hf-reference` there writes the benchmark's checkpoint again in the transformers layout (same config, seed and
-drawing device, so the same weights: tests/msa/test_checkpoint.py checks the two layouts agree), loads it into
+`--hf-reference` there writes the benchmark's checkpoint in the transformers layout (the engine reads either
+layout, msa/weights.py), so both load the very same file; this loads it into
 `transformers.models.minimax_m3_vl.MiniMaxM3VLForCausalLM` (bf16, on the GPU), and for each batch size runs the
 same B prompts as one batch: one forward over the prompts, then greedy decode steps of one token per request with
 transformers' KV cache. A step is timed from its call to a device synchronise after the argmax (what a
@@ -16,18 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def write_hf_checkpoint(config, out: Path, *, seed: int, device: str,
-                        dtype: torch.dtype | None = torch.bfloat16) -> Path:
-    """The benchmark's checkpoint in the transformers layout (written once; reused if present). `dtype` None: the
-    config's."""
-    from msa.checkpoint import write_checkpoint
-
-    if not (out / "config.json").is_file():
-        write_checkpoint(config, out, seed=seed, dtype=dtype, num_shards=4, device=device,
-                         layout="transformers")
-    return out
 
 
 def load_hf_model(path: Path, device: str, dtype: torch.dtype = torch.bfloat16):
@@ -83,11 +71,10 @@ def hf_decode(model, prompts: list[list[int]], decode_tokens: int) -> dict:
             "tokens": per_request}
 
 
-def reference_rows(config, ckpt_dir: Path, prompts_by_b: dict[int, list[list[int]]], decode_tokens: int, *,
-                   seed: int, device: str = "cuda") -> dict[int, dict]:
+def reference_rows(ckpt_dir: Path, prompts_by_b: dict[int, list[list[int]]], decode_tokens: int, *,
+                   device: str = "cuda") -> dict[int, dict]:
     """{B: hf_decode result} for every batch size, one model load; a 3-token warm-up at the first B first."""
-    path = write_hf_checkpoint(config, Path(f"{ckpt_dir}-hf"), seed=seed, device=device)
-    model, attn = load_hf_model(path, device)
+    model, attn = load_hf_model(ckpt_dir, device)
     try:
         first = next(iter(prompts_by_b.values()))
         hf_decode(model, first[:1], 3)

@@ -41,8 +41,8 @@ def test_tiny_cpu_run_writes_json_and_prints_the_table_last(tmp_path):
 
 def test_the_transformers_reference_harness_decodes_the_engines_tokens(tmp_path):
     """benchmarks/hf_reference.py (bench_engine_decode.py --hf-reference): on the tiny model in fp32, transformers'
-    batched greedy decode with its KV cache gives the engine's greedy tokens for the same prompts, and a step time
-    per token; the checkpoint it writes in the transformers layout holds the benchmark's weights."""
+    batched greedy decode with its KV cache gives the engine's greedy tokens for the same prompts from the same
+    transformers-layout checkpoint, and a step time per token."""
     import random
 
     import torch
@@ -51,15 +51,13 @@ def test_the_transformers_reference_harness_decodes_the_engines_tokens(tmp_path)
     import hf_reference
 
     from workers.llm import LLM
-    from workers.models import TINY_PRESET, preset_config, write_preset_checkpoint
+    from workers.models import TINY_PRESET, write_preset_checkpoint
     from workers.request import SamplingParams
 
-    hub = write_preset_checkpoint(TINY_PRESET, tmp_path / "tiny", seed=0)
-    hf_dir = hf_reference.write_hf_checkpoint(preset_config("tiny"), tmp_path / "tiny-hf", seed=0, device="cpu",
-                                                 dtype=None)
+    ckpt = write_preset_checkpoint(TINY_PRESET, tmp_path / "tiny", seed=0, layout="transformers")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 384) for _ in range(30)] for _ in range(3)]
-    model, attn = hf_reference.load_hf_model(hf_dir, "cpu", torch.float32)
+    model, attn = hf_reference.load_hf_model(ckpt, "cpu", torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -67,6 +65,6 @@ def test_the_transformers_reference_harness_decodes_the_engines_tokens(tmp_path)
     finally:
         torch.set_num_threads(threads)
     assert attn in ("sdpa", "eager") and res["steps"] == 5 and res["step_ms"] > 0
-    outs = LLM(hub, num_pages=32).generate([{"prompt_token_ids": p} for p in prompts],
-                                           SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    outs = LLM(ckpt, num_pages=32).generate([{"prompt_token_ids": p} for p in prompts],
+                                            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert res["tokens"] == [o.outputs[0].token_ids for o in outs]
