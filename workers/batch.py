@@ -7,6 +7,11 @@ that must persist across steps (a seeded request's RNG) lives on the shard, keye
 Structured outputs: the grammar state of each constrained row lives with the engine core (it advances with the
 tokens the core receives); the batch carries only this step's allowed-token bitmask of those rows, filled here on
 the host, and the shard's sampler applies it (see docs/sampling.md).
+
+Page tables travel as deltas (workers/batch_delta.py): a batch built with the core's `PageTableEncoder` sends its
+chunks without tables (`NO_TABLE`) and `page_tables` says what changed since the last batch; the runner's mirror
+gives the chunks their full tables back. A batch with `page_tables` None carries its tables in its chunks (tests,
+benchmarks and the idle batch of a worker group build them so).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from msa.metadata import ChunkSpec
+from workers.batch_delta import NO_TABLE, PageTableDelta, PageTableEncoder
 from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.sampler import suppressed_token_ids
@@ -67,6 +73,8 @@ class StepBatch:
     # takes it on the device from row `deferred_rows[j]` of the sampled ids of the step it ran just before
     deferred_positions: list[int] = ()
     deferred_rows: list[int] = ()
+    # the chunks' page tables as a delta against what the shard already holds (None: in the chunks themselves)
+    page_tables: PageTableDelta | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,13 +117,16 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
                      released_seq_ids: Sequence[int] = (),
                      prompt_logprob_progress: dict[int, int] | None = None,
                      grammar_of: Callable[[Seq], GrammarState | None] | None = None,
-                     pending_rows: dict[int, int] | None = None) -> StepBatch:
+                     pending_rows: dict[int, int] | None = None,
+                     page_tables: PageTableEncoder | None = None) -> StepBatch:
     """Flatten one scheduler output for the executor; valid until the scheduler runs again.
 
     `prompt_logprob_progress`: seq id -> the next prompt position whose logprob is wanted, for sequences
     collecting prompt logprobs. `grammar_of(seq)`: the sequence's grammar state (None: unconstrained); the
     sampled rows that have one get their bitmask filled now. `pending_rows` (async scheduling): seq id -> its
-    row in the sampled ids of the step still running, for sequences whose last token that step samples."""
+    row in the sampled ids of the step still running, for sequences whose last token that step samples.
+    `page_tables`: the core's encoder; the chunks then go without tables and the batch carries the delta (it also
+    forgets `released_seq_ids`). None: every chunk carries its sequence's live table."""
     input_ids: list[int] = []
     chunks: list[ChunkSpec] = []
     sample_chunks: list[int] = []
@@ -125,6 +136,7 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
     bitmask_rows: list[int] = []
     deferred_positions: list[int] = []
     deferred_rows: list[int] = []
+    tables: list[tuple[int, list[int]]] = []
     progress = prompt_logprob_progress or {}
     for i, c in enumerate(out.chunks):
         seq = c.seq
@@ -136,9 +148,12 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
         if want is not None:
             plp.append(want)
         # The live page table, not a copy: the executor consumes the batch (builds metadata, or pickles it for
-        # an actor) before the scheduler next grows it.
-        chunks.append(ChunkSpec(pages.page_table(seq.seq_id), c.start, c.num_tokens, c.is_decode,
-                                all_logits=want is not None))
+        # an actor) before the scheduler next grows it; the encoder copies what it sends.
+        table = pages.page_table(seq.seq_id)
+        if page_tables is not None:
+            tables.append((seq.seq_id, table))
+            table = NO_TABLE
+        chunks.append(ChunkSpec(table, c.start, c.num_tokens, c.is_decode, all_logits=want is not None))
         if c.sample:
             state = grammar_of(seq) if grammar_of is not None else None
             if state is not None:
@@ -150,7 +165,8 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
     return StepBatch(input_ids=input_ids, chunks=chunks, sample_chunks=sample_chunks, rows=rows,
                      released_seq_ids=list(released_seq_ids), prompt_logprob_chunks=plp, bitmask_rows=bitmask_rows,
                      token_bitmask=None if bitmask is None else bitmask.numpy(),
-                     deferred_positions=deferred_positions, deferred_rows=deferred_rows)
+                     deferred_positions=deferred_positions, deferred_rows=deferred_rows,
+                     page_tables=None if page_tables is None else page_tables.encode(tables, released_seq_ids))
 
 
 def rows_token_bitmask(batch: StepBatch) -> np.ndarray | None:

@@ -9,6 +9,8 @@ from workers.core import EngineCore, EngineCoreOutput
 from workers.request import SamplingParams
 from workers.runner import StepResult
 
+from tests.workers.test_batch_delta import ShardTables
+
 EOS = 96
 
 
@@ -21,6 +23,7 @@ class FakeExecutor:
         self.base = base
         self.eos_at = eos_at or {}
         self.batches = []
+        self.tables = ShardTables()  # the page tables as a shard resolves them from the batches' deltas
 
     def execute(self, batch) -> StepResult:
         self.batches.append(batch)
@@ -43,9 +46,15 @@ def greedy(max_tokens, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 
+def run(core: EngineCore, ex: FakeExecutor, batch) -> StepResult:
+    """The batch on the fake shard, after checking the page tables it resolves from the batch's delta."""
+    ex.tables.check(core, batch)
+    return ex.execute(batch)
+
+
 def step(core: EngineCore, ex: FakeExecutor) -> list[EngineCoreOutput]:
     batch = core.schedule()
-    return [] if batch is None else core.update(ex.execute(batch))
+    return [] if batch is None else core.update(run(core, ex, batch))
 
 
 def brief(outs: list[EngineCoreOutput]) -> list[tuple]:
@@ -58,7 +67,7 @@ def test_schedule_update_exact_tokens_and_length_finish():
     core.add_request("b", [7, 8], greedy(2))
     batch = core.schedule()
     assert batch.input_ids == [1, 2, 3, 4, 5, 7, 8] and batch.sample_chunks == [0, 1]
-    assert [c.page_table for c in batch.chunks] == [[0, 1], [2]]
+    assert [c.page_table for c in ex.tables.check(core, batch)] == [[0, 1], [2]]  # the first batch: whole tables
     assert brief(core.update(ex.execute(batch))) == [("a", 0, [10], None), ("b", 0, [10], None)]
     assert brief(step(core, ex)) == [("a", 0, [11], None), ("b", 0, [11], "length")]
     assert core.holds("a") and not core.holds("b")
@@ -138,7 +147,7 @@ def test_update_needs_a_scheduled_step():
     batch = core.schedule()
     with pytest.raises(AssertionError, match="schedule\\(\\) twice"):
         core.schedule()
-    core.update(ex.execute(batch))
+    core.update(run(core, ex, batch))
 
 
 def test_preemption_recomputes_and_samples_the_same_tokens():
@@ -153,7 +162,7 @@ def test_preemption_recomputes_and_samples_the_same_tokens():
             break
         batch = core.schedule()
         preempted += len(core.scheduled.preempted) if batch is not None else 0
-        for out in ([] if batch is None else core.update(ex.execute(batch))):
+        for out in ([] if batch is None else core.update(run(core, ex, batch))):
             tokens[out.request_id] += out.new_token_ids
     assert preempted >= 1
     assert tokens == {"a": [10, 11, 12, 13, 14, 15], "b": [10, 11, 12, 13, 14, 15]}
@@ -195,7 +204,7 @@ def test_a_remote_request_decodes_from_its_first_token():
     assert brief(core.activate_remote("r", 42, None)) == [("r", 0, [42], None)]
     batch = core.schedule()
     assert batch.input_ids == [42] and batch.chunks[0].start == 5
-    assert brief(core.update(ex.execute(batch))) == [("r", 0, [11], None)]
+    assert brief(core.update(run(core, ex, batch))) == [("r", 0, [11], None)]
     assert brief(step(core, ex)) == [("r", 0, [12], "length")]
     assert core.pages.num_free_pages == 16
     # an admission whose receive could not be prepared is withdrawn without a trace

@@ -14,6 +14,8 @@ from workers.request import SamplingParams
 from workers.runner import StepResult
 from workers.scheduler import PENDING_TOKEN
 
+from tests.workers.test_batch_delta import ShardTables
+
 EOS = 96
 
 
@@ -25,6 +27,7 @@ class FakeExecutor:
     def __init__(self, eos_at: dict[int, int]) -> None:
         self.eos_at = eos_at
         self.deferred: dict[tuple[int, int], int] = {}
+        self.tables = ShardTables()  # the page tables as a shard resolves them from the batches' deltas
 
     def execute(self, batch, prev: StepResult | None) -> StepResult:
         ids = list(batch.input_ids)
@@ -63,11 +66,13 @@ def drive(core: EngineCore, ex: FakeExecutor, *, ahead: bool, arrivals, aborts) 
             batch = core.schedule()
             if batch is None:
                 continue
+            ex.tables.check(core, batch)
             inflight = ex.execute(batch, None)
         nxt = None
         if ahead and core.can_schedule_ahead():
             batch = core.schedule_ahead()
             if batch is not None:
+                ex.tables.check(core, batch)
                 nxt = ex.execute(batch, inflight)
         for out in core.update(inflight):
             tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
