@@ -24,10 +24,11 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 class FailingExecutor:
-    """Test-only: the engine's executor, raising `error` on the first step whose batch `fail(batch)` picks."""
+    """Test-only: the engine's executor, raising `error` on the first step whose batch `fail(batch)` picks;
+    `ran_first`: after the shard ran that step (its page-table delta applied there), else before it saw it."""
 
-    def __init__(self, inner, fail, error: Exception) -> None:
-        self.inner, self.fail, self.error = inner, fail, error
+    def __init__(self, inner, fail, error: Exception, *, ran_first: bool = False) -> None:
+        self.inner, self.fail, self.error, self.ran_first = inner, fail, error, ran_first
         self.failed: list = []  # the batches it failed
 
     def __getattr__(self, name):
@@ -36,6 +37,8 @@ class FailingExecutor:
     def execute(self, batch):
         if not self.failed and self.fail(batch):
             self.failed.append(batch)
+            if self.ran_first:
+                self.inner.execute(batch)
             raise self.error
         return self.inner.execute(batch)
 
@@ -67,7 +70,8 @@ def submit(engine: Engine, names=("a", "b", "c")) -> None:
         engine.add_request(name, prompt, greedy(k))
 
 
-def test_an_out_of_memory_step_fails_only_its_requests_and_the_engine_serves_on(make_llm):
+@pytest.mark.parametrize("ran_first", [False, True], ids=["before-the-shard", "after-the-shard-ran-it"])
+def test_an_out_of_memory_step_fails_only_its_requests_and_the_engine_serves_on(make_llm, ran_first):
     cfg = dict(num_pages=64, max_model_len=256, max_num_batched_tokens=32, max_num_seqs=2)
     undisturbed = make_llm(**cfg).engine
     submit(undisturbed)
@@ -77,7 +81,7 @@ def test_an_out_of_memory_step_fails_only_its_requests_and_the_engine_serves_on(
 
     engine = make_llm(**cfg).engine
     # step 1: a's prompt (20) + b's first 12 tokens; step 2, failed: b's next 31 tokens + a's first decode row
-    engine.executor = FailingExecutor(engine.executor, prefill_from(12), oom())
+    engine.executor = FailingExecutor(engine.executor, prefill_from(12), oom(), ran_first=ran_first)
     submit(engine)
     got = run(engine)
     (batch,) = engine.executor.failed
