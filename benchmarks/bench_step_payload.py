@@ -1,0 +1,95 @@
+"""Bytes a decode step ships to each shard: the pickled `StepBatch`, with page-table deltas (what the engine sends)
+and with every scheduled sequence's whole table in its chunk (what it sent before workers/batch_delta.py).
+
+A pure `EngineCore` (no model: a fake executor samples token 7) prefills B requests of a given context length,
+then decodes; each decode step's batch is pickled both ways (`pickle.HIGHEST_PROTOCOL`, as
+`WorkerGroup.execute` does). Page size 128 (the m3 preset's). CPU only, a few seconds.
+
+  PYTHONPATH=$PWD python benchmarks/bench_step_payload.py                # B = 16, 8k and 128k-token contexts
+  PYTHONPATH=$PWD python benchmarks/bench_step_payload.py --batch 64 --contexts 32768
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+import random
+import statistics
+import time
+
+from msa.metadata import ChunkSpec
+from workers.config import EngineConfig
+from workers.core import EngineCore
+from workers.request import SamplingParams
+from workers.runner import StepResult
+
+PAGE_SIZE = 128
+
+
+def whole_tables(core: EngineCore, batch):
+    """The batch as it went before deltas: every chunk with its sequence's whole page table."""
+    chunks = [ChunkSpec(core.pages.page_table(sid), c.start, c.num_tokens, c.is_decode, c.all_logits)
+              for c, sid in zip(batch.chunks, batch.page_tables.seq_ids)]
+    return dataclasses.replace(batch, chunks=chunks, page_tables=None)
+
+
+def dumps(batch) -> tuple[int, float]:
+    t = time.perf_counter()
+    data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data), time.perf_counter() - t
+
+
+def run(batch_size: int, context: int, decode_steps: int) -> dict:
+    pages_per_seq = -(-(context + decode_steps) // PAGE_SIZE)
+    cfg = EngineConfig(max_model_len=context + decode_steps + 1, max_num_seqs=batch_size,
+                       max_num_batched_tokens=min(batch_size * context, 65536),
+                       num_pages=batch_size * pages_per_seq + 1, enable_prefix_caching=False,
+                       admission_watermark=0.0)
+    core = EngineCore(cfg, num_pages=cfg.num_pages, page_size=PAGE_SIZE, vocab_size=1000)
+    rng = random.Random(0)
+    for i in range(batch_size):
+        # contexts staggered by a few tokens, so the rows cross page boundaries on different steps
+        core.add_request(f"r{i}", [rng.randrange(3, 1000) for _ in range(context - 8 * i)],
+                         SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True))
+    after, before, t_after, t_before = [], [], [], []
+    while True:
+        batch = core.schedule()
+        if batch is None:
+            break
+        if all(c.is_decode for c in batch.chunks) and len(batch.chunks) == batch_size:
+            n, t = dumps(batch)
+            after.append(n)
+            t_after.append(t)
+            n, t = dumps(whole_tables(core, batch))
+            before.append(n)
+            t_before.append(t)
+        core.update(StepResult(token_ids=[7] * len(batch.rows), logprobs=[None] * len(batch.rows),
+                               forward_time=0.0, sample_time=0.0))
+    return {"batch": batch_size, "context": context, "decode_steps": len(after),
+            "bytes_before": statistics.mean(before), "bytes_after": statistics.mean(after),
+            "bytes_after_max": max(after), "dumps_us_before": statistics.median(t_before) * 1e6,
+            "dumps_us_after": statistics.median(t_after) * 1e6}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 131072])
+    p.add_argument("--decode-steps", type=int, default=256, help="measured decode steps (two pages' worth)")
+    p.add_argument("--out", default=None, help="result JSON")
+    args = p.parse_args()
+    rows = [run(args.batch, c, args.decode_steps) for c in args.contexts]
+    print(f"{'B':>4} {'context':>8} {'steps':>6} {'bytes before':>13} {'bytes after':>12} {'max after':>10} "
+          f"{'dumps us before':>16} {'dumps us after':>15}")
+    for r in rows:
+        print(f"{r['batch']:>4} {r['context']:>8} {r['decode_steps']:>6} {r['bytes_before']:>13,.0f} "
+              f"{r['bytes_after']:>12,.0f} {r['bytes_after_max']:>10,} {r['dumps_us_before']:>16.1f} "
+              f"{r['dumps_us_after']:>15.1f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
