@@ -8,20 +8,21 @@ Structured outputs: the grammar state of each constrained row lives with the eng
 tokens the core receives); the batch carries only this step's allowed-token bitmask of those rows, filled here on
 the host, and the shard's sampler applies it (see docs/sampling.md).
 
-Page tables travel as deltas (workers/batch_delta.py): a batch built with the core's `PageTableEncoder` sends its
-chunks without tables (`NO_TABLE`) and `page_tables` says what changed since the last batch; the runner's mirror
-gives the chunks their full tables back. A batch with `page_tables` None carries its tables in its chunks (tests,
-benchmarks and the idle batch of a worker group build them so).
+Page tables and penalty rows' token ids travel as deltas (workers/batch_delta.py): a batch built with the core's
+`SeqDeltaEncoder` sends its chunks without tables (`NO_TABLE`) and its penalty rows without token ids, and
+`seq_delta` says what changed since the last batch; the shard's `SeqMirror` gives them back (`resolve_batch`). A
+batch with `seq_delta` None carries everything itself (tests, benchmarks and a worker group's idle batch).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from msa.metadata import ChunkSpec
-from workers.batch_delta import NO_TABLE, PageTableDelta, PageTableEncoder
+from workers.batch_delta import NO_TABLE, SeqDelta, SeqDeltaEncoder, SeqMirror
 from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.sampler import suppressed_token_ids
@@ -73,20 +74,28 @@ class StepBatch:
     # takes it on the device from row `deferred_rows[j]` of the sampled ids of the step it ran just before
     deferred_positions: list[int] = ()
     deferred_rows: list[int] = ()
-    # the chunks' page tables as a delta against what the shard already holds (None: in the chunks themselves)
-    page_tables: PageTableDelta | None = None
+    # the chunks' page tables and the penalty rows' token ids as a delta against what the shard already holds
+    # (None: in the chunks and rows themselves)
+    seq_delta: SeqDelta | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
 
-def _row(seq, eos_token_ids: Iterable[int], constrained: bool) -> SampleRow:
-    """`constrained`: the row follows a grammar, which alone decides where it may end: suppressing EOS for
-    `min_tokens` could leave a complete grammar no allowed token."""
-    p = seq.request.params
+def penalty_token_ids(p: SamplingParams) -> tuple[bool, bool]:
+    """(whether the row's sampler reads its prompt token ids, its output token ids): a repetition penalty reads
+    both, a presence or frequency penalty the output."""
     needs_prompt = p.repetition_penalty != 1.0
-    needs_output = needs_prompt or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return needs_prompt, needs_prompt or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _row(seq, eos_token_ids: Iterable[int], constrained: bool, with_tokens: bool) -> SampleRow:
+    """`constrained`: the row follows a grammar, which alone decides where it may end: suppressing EOS for
+    `min_tokens` could leave a complete grammar no allowed token. `with_tokens`: the row carries the token ids
+    its penalties read (else they travel in the batch's `seq_delta`)."""
+    p = seq.request.params
+    needs_prompt, needs_output = penalty_token_ids(p) if with_tokens else (False, False)
     n_out = seq.num_output_tokens
     return SampleRow(
         seq_id=seq.seq_id,
@@ -118,15 +127,16 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
                      prompt_logprob_progress: dict[int, int] | None = None,
                      grammar_of: Callable[[Seq], GrammarState | None] | None = None,
                      pending_rows: dict[int, int] | None = None,
-                     page_tables: PageTableEncoder | None = None) -> StepBatch:
+                     seq_delta: SeqDeltaEncoder | None = None) -> StepBatch:
     """Flatten one scheduler output for the executor; valid until the scheduler runs again.
 
     `prompt_logprob_progress`: seq id -> the next prompt position whose logprob is wanted, for sequences
     collecting prompt logprobs. `grammar_of(seq)`: the sequence's grammar state (None: unconstrained); the
     sampled rows that have one get their bitmask filled now. `pending_rows` (async scheduling): seq id -> its
     row in the sampled ids of the step still running, for sequences whose last token that step samples.
-    `page_tables`: the core's encoder; the chunks then go without tables and the batch carries the delta (it also
-    forgets `released_seq_ids`). None: every chunk carries its sequence's live table."""
+    `seq_delta`: the core's encoder; the chunks then go without tables, the penalty rows without token ids, and
+    the batch carries the delta (the encoder also forgets `released_seq_ids`). None: every chunk carries its
+    sequence's live table and every row its token ids."""
     input_ids: list[int] = []
     chunks: list[ChunkSpec] = []
     sample_chunks: list[int] = []
@@ -137,6 +147,7 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
     deferred_positions: list[int] = []
     deferred_rows: list[int] = []
     tables: list[tuple[int, list[int]]] = []
+    tokens: list[tuple[int, list[int]]] = []
     progress = prompt_logprob_progress or {}
     for i, c in enumerate(out.chunks):
         seq = c.seq
@@ -150,7 +161,7 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
         # The live page table, not a copy: the executor consumes the batch (builds metadata, or pickles it for
         # an actor) before the scheduler next grows it; the encoder copies what it sends.
         table = pages.page_table(seq.seq_id)
-        if page_tables is not None:
+        if seq_delta is not None:
             tables.append((seq.seq_id, table))
             table = NO_TABLE
         chunks.append(ChunkSpec(table, c.start, c.num_tokens, c.is_decode, all_logits=want is not None))
@@ -160,13 +171,36 @@ def build_step_batch(out: SchedulerOutput, pages: PageManager, *, eos_token_ids:
                 bitmask_rows.append(len(rows))
                 grammars.append(state)
             sample_chunks.append(i)
-            rows.append(_row(seq, eos_token_ids, state is not None))
+            rows.append(_row(seq, eos_token_ids, state is not None, with_tokens=seq_delta is None))
+            if seq_delta is not None and penalty_token_ids(seq.request.params)[1]:
+                tokens.append((seq.seq_id, seq.token_ids))
     bitmask = fill_token_bitmask(grammars, grammars[0].vocab_size) if grammars else None
     return StepBatch(input_ids=input_ids, chunks=chunks, sample_chunks=sample_chunks, rows=rows,
                      released_seq_ids=list(released_seq_ids), prompt_logprob_chunks=plp, bitmask_rows=bitmask_rows,
                      token_bitmask=None if bitmask is None else bitmask.numpy(),
                      deferred_positions=deferred_positions, deferred_rows=deferred_rows,
-                     page_tables=None if page_tables is None else page_tables.encode(tables, released_seq_ids))
+                     seq_delta=None if seq_delta is None else seq_delta.encode(tables, tokens, released_seq_ids))
+
+
+def resolve_batch(batch: StepBatch, mirror: SeqMirror) -> StepBatch:
+    """Shard side: the batch with its chunks' full page tables and its penalty rows' token ids, from `mirror`
+    brought up to the batch's delta (the batch itself where it carries them)."""
+    delta = batch.seq_delta
+    if delta is None:
+        return batch
+    mirror.apply(delta, batch.released_seq_ids)
+    rows = batch.rows
+    if delta.tokens:
+        rows = [_with_token_ids(r, mirror.tokens(r.seq_id)) if penalty_token_ids(r.params)[1] else r for r in rows]
+    return dataclasses.replace(batch, chunks=mirror.resolve(batch.chunks, delta.seq_ids), rows=rows, seq_delta=None)
+
+
+def _with_token_ids(row: SampleRow, token_ids: list[int]) -> SampleRow:
+    """A penalty row with its token ids: the output is the last `num_output_tokens` of them."""
+    num_prompt = len(token_ids) - row.num_output_tokens
+    needs_prompt, _ = penalty_token_ids(row.params)
+    return dataclasses.replace(row, prompt_token_ids=token_ids[:num_prompt] if needs_prompt else [],
+                               output_token_ids=token_ids[num_prompt:])
 
 
 def rows_token_bitmask(batch: StepBatch) -> np.ndarray | None:

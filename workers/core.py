@@ -19,8 +19,9 @@ Contract:
   per sequence that got a token, in the scheduler's order. A request whose every sample finished is retired:
   its pages are free (a prefill handoff's excepted: the scheduler keeps them for the transfer), its stats are
   closed (`pop_request_stats`), and its sequence ids reach the shards with the next batch (`released_seq_ids`).
-- Page tables reach the shards as deltas (workers/batch_delta.py): the batches of one core must run on its
-  shards in the order it scheduled them, and `fail_step` makes the next batch send its tables whole.
+- Page tables (and penalty rows' token ids) reach the shards as deltas (workers/batch_delta.py): the batches of
+  one core must run on its shards in the order it scheduled them, and `fail_step` makes the next batch send its
+  lists whole.
 - Aborts (`abort_request`) free a request's pages in any state.
 - The bookkeeping beside the scheduler (stats, prompt logprobs, grammar states, released sequence ids) is the
   core's `RequestTable` (workers/tracking.py).
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from workers.batch import StepBatch, build_step_batch
-from workers.batch_delta import PageTableEncoder
+from workers.batch_delta import SeqDeltaEncoder
 from workers.config import EngineConfig
 from workers.pages import PageManager
 from workers.request import SamplingParams
@@ -93,8 +94,9 @@ class EngineCore:
                                  watermark=config.admission_watermark)
         self.scheduler = Scheduler(config, self.pages, eos_token_ids=self.eos_token_ids, vocab_size=vocab_size)
         self.requests = RequestTable(role)  # what the core keeps of each request beyond the scheduler's state
-        # what the shards hold of each sequence's page table: batches carry only what changed (batch_delta.py)
-        self.page_tables = PageTableEncoder()
+        # what the shards hold of each sequence's page table (and a penalty row's token ids): batches carry only
+        # what changed (workers/batch_delta.py)
+        self.seq_delta = SeqDeltaEncoder()
         # steps scheduled and not yet updated, oldest first: one, or two while async scheduling runs one ahead
         self._steps: deque[_Step] = deque()
 
@@ -237,7 +239,7 @@ class EngineCore:
                                  released_seq_ids=self.requests.take_released(),
                                  prompt_logprob_progress=self.requests.prompt_logprob_progress(),
                                  grammar_of=self.requests.grammar_of, pending_rows=pending_rows,
-                                 page_tables=self.page_tables)
+                                 seq_delta=self.seq_delta)
         self._steps.append(_Step(sched_out, batch))
         return batch
 
@@ -300,7 +302,7 @@ class EngineCore:
         step = self._take_scheduled()
         sched_out, batch = step.sched_out, step.batch
         self.requests.unrelease(batch.released_seq_ids)  # in case the shard never saw them
-        self.page_tables.reset()  # nor this batch's page tables: the next batch sends its tables whole
+        self.seq_delta.reset()  # nor this batch's delta: the next batch sends its lists whole
         outputs = []
         for rid in dict.fromkeys(c.seq.request.request_id for c in sched_out.chunks):
             req = self.abort_request(rid, reason="error", failure_reason=failure_reason)

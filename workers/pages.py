@@ -112,7 +112,9 @@ class PageManager:
         return -(-num_tokens // self.page_size)
 
     def page_table(self, seq_id: int) -> list[int]:
-        """The sequence's page ids in logical order (the live list: do not mutate)."""
+        """The sequence's page ids in logical order (the live list: do not mutate). While the sequence holds its
+        pages the list only grows at its end; pages freed and taken again come in a new list (the core's
+        per-step deltas rely on both: workers/batch_delta.py)."""
         return self._tables[seq_id]
 
     def has(self, seq_id: int) -> bool:

@@ -30,8 +30,8 @@ from msa.kv_cache import KVCache
 from msa.metadata import Stager, build_metadata, host_metadata
 from msa.model import load_model
 from msa.parallel import ParallelContext
-from workers.batch import StepBatch, logits_row_of_chunk, rows_token_bitmask
-from workers.batch_delta import PageTableMirror
+from workers.batch import StepBatch, logits_row_of_chunk, resolve_batch, rows_token_bitmask
+from workers.batch_delta import SeqMirror
 from workers.config import EngineConfig
 from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step
 from workers.memory import (StepOutOfMemoryError, check_pool_holds_max_model_len, describe, graph_reserve_bytes,
@@ -209,8 +209,9 @@ class ModelRunner:
         # Unseeded rows draw from this engine-seeded generator; seeded rows get their own (see sampler).
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(engine_config.seed))
         self._generators: dict[int, torch.Generator] = {}
-        # the page tables of the sequences this shard runs: batches carry only what changed (batch_delta.py)
-        self.page_tables = PageTableMirror()
+        # the page tables (and penalty rows' token ids) of the sequences this shard runs: batches carry only what
+        # changed since the batch before (workers/batch_delta.py)
+        self.seq_mirror = SeqMirror()
         # the steps' inputs: pinned buffers, one copy each; a ring, so the step launched while another still
         # runs never waits for that one's copies (async scheduling)
         self._stager = StagerRing(self.device)
@@ -272,7 +273,7 @@ class ModelRunner:
     def _launch(self, batch: StepBatch) -> StepHandle:
         for sid in batch.released_seq_ids:
             self._generators.pop(sid, None)
-        batch = self._with_page_tables(batch)
+        batch = resolve_batch(batch, self.seq_mirror)
         if not batch.chunks:
             self._last_sampled = None
             return StepHandle.done(self._idle_step())
@@ -297,15 +298,6 @@ class ModelRunner:
         plp = [(pc, self._prompt_logprob_tensors(logits[r:r + len(pc.target_ids)], pc))
                for r, pc in zip(plp_rows, batch.prompt_logprob_chunks)]
         return StepHandle(self.device, t0, sampled, plp, [r.params.logprobs for r in batch.rows])
-
-    def _with_page_tables(self, batch: StepBatch) -> StepBatch:
-        """The batch with its chunks' full page tables, from the mirror brought up to this batch's delta."""
-        delta = batch.page_tables
-        if delta is None:
-            return batch  # its chunks carry their tables
-        self.page_tables.apply(delta, batch.released_seq_ids)
-        return dataclasses.replace(batch, chunks=self.page_tables.resolve(batch.chunks, delta.seq_ids),
-                                   page_tables=None)
 
     def _fill_deferred(self, input_ids: torch.Tensor, batch: StepBatch) -> None:
         """Async scheduling: the ids the host does not know yet, from the previous step's sampled ids, on the

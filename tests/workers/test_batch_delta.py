@@ -1,6 +1,6 @@
-"""Page-table deltas alone (workers/batch_delta.py): the encoder over a real `PageManager`, the mirror on the other
-side of a pickle, and random runs of add / grow / preempt / fork / release / step / failed-step that must give the
-shard the same full tables as sending every table whole. Pure Python: no model."""
+"""Per-sequence deltas alone (workers/batch_delta.py): the encoder over a real `PageManager`, the mirror on the
+other side of a pickle, and random runs of add / grow / preempt / fork / release / step / failed-step that must give
+the shard the same page tables and penalty token ids as sending them whole. Pure Python: no model."""
 from __future__ import annotations
 
 import pickle
@@ -9,59 +9,63 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from msa.metadata import ChunkSpec
-from workers.batch_delta import NO_TABLE, PageTableDelta, PageTableEncoder, PageTableMirror, PageTableMismatch
+from workers.batch import penalty_token_ids, resolve_batch
+from workers.batch_delta import NO_TABLE, SeqDelta, SeqDeltaEncoder, SeqMirror, SeqDeltaMismatch
 from workers.pages import PageManager
 
 
-def wire(delta: PageTableDelta) -> PageTableDelta:
+def wire(delta: SeqDelta) -> SeqDelta:
     return pickle.loads(pickle.dumps(delta, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def send(enc: PageTableEncoder, mirror: PageTableMirror, pm: PageManager, sids, released=()) -> list[list[int]]:
+def send(enc: SeqDeltaEncoder, mirror: SeqMirror, pm: PageManager, sids, released=()) -> list[list[int]]:
     """One batch over the wire: the tables the shard resolves for `sids`."""
-    delta = wire(enc.encode([(s, pm.page_table(s)) for s in sids], released))
+    delta = wire(enc.encode([(s, pm.page_table(s)) for s in sids], released=released))
     mirror.apply(delta, released)
     return [c.page_table for c in mirror.resolve([ChunkSpec(NO_TABLE, 0, 1, True)] * len(sids), delta.seq_ids)]
 
 
 class ShardTables:
     """A shard's mirror for engine-core tests with a fake executor: `check(core, batch)` right after the core
-    scheduled `batch` resolves its chunks as a runner would and asserts they got the core's live tables."""
+    scheduled `batch` resolves it over the wire as a runner would and asserts that its chunks got the core's live
+    page tables and its rows the token ids a batch without deltas would carry."""
 
     def __init__(self) -> None:
-        self.mirror = PageTableMirror()
-        self.num_page_ids = 0  # page ids that travelled
+        self.mirror = SeqMirror()
 
     def check(self, core, batch) -> list[ChunkSpec]:
-        delta = wire(batch.page_tables)
         assert all(c.page_table == NO_TABLE for c in batch.chunks)
-        self.mirror.apply(delta, batch.released_seq_ids)
-        self.num_page_ids += delta.num_page_ids
-        chunks = self.mirror.resolve(batch.chunks, delta.seq_ids)
+        resolved = resolve_batch(pickle.loads(pickle.dumps(batch)), self.mirror)
         page_size = core.pages.page_size
-        for c, sid in zip(chunks, delta.seq_ids):
+        for c, sid in zip(resolved.chunks, batch.seq_delta.seq_ids, strict=True):
             assert c.page_table == core.pages.page_table(sid)
             assert len(c.page_table) * page_size >= c.start + c.num_tokens
-        return chunks
+        seqs = {q.seq_id: q for r in core.scheduler.requests.values() for q in r.seqs}
+        for row in resolved.rows:
+            seq = seqs[row.seq_id]
+            needs_prompt, needs_output = penalty_token_ids(row.params)
+            assert row.prompt_token_ids == (seq.token_ids[:seq.num_prompt_tokens] if needs_prompt else [])
+            assert row.output_token_ids == (seq.output_token_ids if needs_output else [])
+        return resolved.chunks
 
 
 def test_a_decode_row_sends_its_table_once_then_only_new_pages():
-    pm, enc, mirror = PageManager(64, 4), PageTableEncoder(), PageTableMirror()
+    pm, enc, mirror = PageManager(64, 4), SeqDeltaEncoder(), SeqMirror()
     pm.admit(0)
     pm.allocate(0, 10)  # 3 pages
     assert send(enc, mirror, pm, [0]) == [[0, 1, 2]]
     delta = enc.encode([(0, pm.page_table(0))])
-    assert delta.updates == [] and delta.seq_ids == [0]  # the same table: nothing travels
+    assert delta.tables == [] and delta.seq_ids == [0]  # the same table: nothing travels
     mirror.apply(delta)
     pm.allocate(0, 13)  # a fourth page
     delta = enc.encode([(0, pm.page_table(0))])
-    assert delta.updates == [(0, 3, [3])]
+    assert delta.tables == [(0, 3, [3])]
     mirror.apply(delta)
     assert mirror.table(0) == [0, 1, 2, 3]
 
 
 def test_a_preempted_sequence_is_sent_whole_again():
-    pm, enc, mirror = PageManager(64, 4), PageTableEncoder(), PageTableMirror()
+    pm, enc, mirror = PageManager(64, 4), SeqDeltaEncoder(), SeqMirror()
     for s in (0, 1):
         pm.admit(s)
         pm.allocate(s, 8)
@@ -71,13 +75,13 @@ def test_a_preempted_sequence_is_sent_whole_again():
     pm.admit(0)
     pm.allocate(0, 8)
     delta = enc.encode([(0, pm.page_table(0)), (1, pm.page_table(1))])
-    assert delta.updates == [(0, 0, pm.page_table(0)), (1, 2, [pm.page_table(1)[2]])]
+    assert delta.tables == [(0, 0, pm.page_table(0)), (1, 2, [pm.page_table(1)[2]])]
     mirror.apply(wire(delta))
     assert [mirror.table(0), mirror.table(1)] == [pm.page_table(0), pm.page_table(1)]
 
 
 def test_released_sequences_are_forgotten_on_both_ends():
-    pm, enc, mirror = PageManager(64, 4), PageTableEncoder(), PageTableMirror()
+    pm, enc, mirror = PageManager(64, 4), SeqDeltaEncoder(), SeqMirror()
     pm.admit(0)
     pm.allocate(0, 4)
     pm.admit(1)
@@ -89,7 +93,7 @@ def test_released_sequences_are_forgotten_on_both_ends():
 
 
 def test_a_failed_step_resets_and_the_next_batch_sends_whole_tables():
-    pm, enc, mirror = PageManager(64, 4), PageTableEncoder(), PageTableMirror()
+    pm, enc, mirror = PageManager(64, 4), SeqDeltaEncoder(), SeqMirror()
     for s in (1, 0):
         pm.admit(s)
         pm.allocate(s, 8)
@@ -98,29 +102,29 @@ def test_a_failed_step_resets_and_the_next_batch_sends_whole_tables():
     enc.encode([(0, pm.page_table(0))])  # this step's delta never reaches the shard
     enc.reset()
     delta = enc.encode([(0, pm.page_table(0))])
-    assert delta.updates == [(0, 0, [2, 3, 4])] and delta.generation == 1 and delta.step == 0
+    assert delta.tables == [(0, 0, [2, 3, 4])] and delta.generation == 1 and delta.step == 0
     mirror.apply(wire(delta))
     assert mirror.table(0) == [2, 3, 4] and mirror.seq_ids() == {0}  # the old generation's tables are gone
 
 
 def test_a_missed_delta_or_a_wrong_base_raises_rather_than_run_on_stale_tables():
-    pm, enc, mirror = PageManager(64, 4), PageTableEncoder(), PageTableMirror()
+    pm, enc, mirror = PageManager(64, 4), SeqDeltaEncoder(), SeqMirror()
     pm.admit(0)
     pm.allocate(0, 4)
     send(enc, mirror, pm, [0])
     pm.allocate(0, 8)
     enc.encode([(0, pm.page_table(0))])  # lost on the way
     later = enc.encode([(0, pm.page_table(0))])  # carries nothing for seq 0: the shard would keep 1 page
-    with pytest.raises(PageTableMismatch, match="delta 2 of generation 0 follows delta 0"):
+    with pytest.raises(SeqDeltaMismatch, match="delta 2 of generation 0 follows delta 0"):
         mirror.apply(wire(later))
-    with pytest.raises(PageTableMismatch, match="seq 0 appends at page 3, the shard holds 1 pages"):
-        mirror.apply(PageTableDelta(0, 1, [0], [(0, 3, [9])]))
-    with pytest.raises(PageTableMismatch, match="seq 7 has no table"):
+    with pytest.raises(SeqDeltaMismatch, match="seq 0 appends to its page table at 3, the shard holds 1"):
+        mirror.apply(SeqDelta(0, 1, [0], [(0, 3, [9])]))
+    with pytest.raises(SeqDeltaMismatch, match="seq 7 has no page table"):
         mirror.resolve([ChunkSpec(NO_TABLE, 0, 1, True)], [7])
 
 
 def test_a_decode_step_at_128k_tokens_carries_almost_nothing():
-    pm, enc = PageManager(16 * 1025, 128), PageTableEncoder()
+    pm, enc = PageManager(16 * 1025, 128), SeqDeltaEncoder()
     for s in range(16):
         pm.admit(s)
         pm.allocate(s, 128 * 1024)
@@ -137,8 +141,6 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("preempt"), st.integers(0, 7), st.booleans()),  # bool: re-admitted at once (else later)
     st.tuples(st.just("fork"), st.integers(0, 7)),
     st.tuples(st.just("release"), st.integers(0, 7)),
-    # which live sequences run (a bit mask), and the step's fate: "ok", "lost" (never reached the shard: the launch
-    # raised), "failed" (reached it, then the step raised), "ahead" (launched before the previous one's result)
     # which live sequences run (a bit mask over the first 8), and whether the step reaches the shard: "lost" =
     # its launch raised (the core fails it at once: no batch was made after it)
     st.tuples(st.just("step"), st.integers(0, 255), st.sampled_from(["ok", "ok", "ok", "lost"])),
@@ -153,17 +155,21 @@ class Run:
 
     def __init__(self, prefix_caching: bool) -> None:
         self.pm = PageManager(48, 4, enable_prefix_caching=prefix_caching)
-        self.enc, self.mirror = PageTableEncoder(), PageTableMirror()
+        self.enc, self.mirror = SeqDeltaEncoder(), SeqMirror()
         self.live: list[int] = []  # sequences holding pages
         self.parked: list[int] = []  # preempted, not admitted again yet
         self.released: list[int] = []  # released, not yet carried by a batch that landed
+        # each sequence's token ids (one list for its life, as `Sequence.token_ids`); odd seq ids have a penalty
+        # row, whose token ids travel too
+        self.tokens: dict[int, list[int]] = {}
         self.next_sid = 0
 
     def pick(self, i: int) -> int:
         return self.live[i % len(self.live)]
 
-    def new_sid(self) -> int:
+    def new_sid(self, tokens: list[int]) -> int:
         sid, self.next_sid = self.next_sid, self.next_sid + 1
+        self.tokens[sid] = tokens
         return sid
 
     def keep_or_release(self, sid: int, ok: bool) -> None:
@@ -174,17 +180,18 @@ class Run:
             self.released.append(sid)
 
     def add(self, tokens: int) -> None:
-        sid = self.new_sid()
+        sid = self.new_sid([100 + self.next_sid] * tokens)
         self.pm.admit(sid)
         self.keep_or_release(sid, self.pm.allocate(sid, tokens))
 
     def fork(self, parent: int) -> None:
-        sid = self.new_sid()
+        sid = self.new_sid(list(self.tokens[parent]))
         self.pm.share(sid, parent, len(self.pm.page_table(parent)) // 2)
         self.keep_or_release(sid, self.pm.allocate(sid, len(self.pm.page_table(sid)) * 4 + 1))
 
     def grow(self, sid: int, tokens: int) -> None:
         self.pm.allocate(sid, len(self.pm.page_table(sid)) * 4 + tokens)
+        self.tokens[sid].extend(range(tokens))
 
     def preempt(self, sid: int, readmit: bool) -> None:
         self.pm.free(sid)
@@ -214,16 +221,18 @@ class Run:
         if not sids:
             return
         released, self.released = self.released, []
-        delta = self.enc.encode([(s, self.pm.page_table(s)) for s in sids], released)
+        delta = self.enc.encode([(s, self.pm.page_table(s)) for s in sids],
+                                [(s, self.tokens[s]) for s in sids if s % 2], released)
         if fate == "lost":
             self.enc.reset()
             self.released[:0] = released  # the core sends them again
             return
         self.mirror.apply(wire(delta), released)
         chunks = [ChunkSpec(NO_TABLE, 0, 1, True)] * len(sids)
-        # what sending every table whole would have given the shard
+        # what sending every list whole would have given the shard
         assert [c.page_table for c in self.mirror.resolve(chunks, delta.seq_ids)] == \
             [self.pm.page_table(s) for s in sids]
+        assert all(self.mirror.tokens(s) == self.tokens[s] for s in sids if s % 2)
 
 
 @settings(max_examples=300, deadline=None)

@@ -212,3 +212,23 @@ def test_a_remote_request_decodes_from_its_first_token():
     core.withdraw_remote("x")
     assert not core.holds("x") and core.pages.num_free_pages == 16
     assert [s.request_id for s in core.pop_request_stats()] == ["r"]
+
+
+def test_penalty_rows_send_their_token_ids_once_then_only_new_ones():
+    """A row whose penalties read its token ids carries them in the batch's delta: the prompt and outputs once,
+    then the one new token per step; the shard gets the lists a batch without deltas carried (ShardTables)."""
+    core, ex = make_core(num_pages=6), FakeExecutor()
+    core.add_request("rep", [1, 2, 3, 4, 5], greedy(6, repetition_penalty=1.3))
+    core.add_request("freq", [6, 7], greedy(6, frequency_penalty=0.5))
+    core.add_request("plain", [8, 9, 10], greedy(6))
+    sent = []
+    for _ in range(12):
+        batch = core.schedule()
+        if batch is None:
+            break
+        sent.append([(sid, base, len(ids)) for sid, base, ids in batch.seq_delta.tokens])
+        core.update(run(core, ex, batch))
+    # whole prompts with the prefill step, then the one new token a step; the plain request's never (it is
+    # preempted by the two others' growth, recomputed, and decodes alone at the end)
+    assert sent == [[(0, 0, 5), (1, 0, 2)], *([(0, n, 1), (1, n - 3, 1)] for n in range(5, 10)), [], []]
+    assert core.scheduler.num_preemptions == 1
