@@ -15,9 +15,9 @@ Two pure halves and the message between them:
 Why a tail is enough: both lists only grow while the encoder tracks them. `PageManager` only ever appends to a
 live table; pages freed and taken again (preemption, a re-admission with a prefix-cache hit, a fork) come in a new
 list object. A sequence's `token_ids` only grow while it needs its tokens on the host (a penalty row never runs
-ahead: async scheduling's placeholders never reach it, `workers.core.needs_host_tokens`). So the encoder keeps a
-reference to the list it sent: the same object no shorter than sent is the same list grown at its end (send the
-tail); anything else is sent whole.
+ahead, so async scheduling's placeholders never reach it: `workers.tracking.needs_host_tokens`). So the encoder
+keeps a reference to the list it sent: the same object no shorter than sent is the same list grown at its end
+(send the tail); anything else is sent whole.
 
 Staying in step: the mirror applies deltas in the order the encoder made them (one runner; async scheduling
 launches the step ahead after the step before it). A failed step may or may not have reached the shards, so the
