@@ -4,7 +4,8 @@ its whole prompt and output token ids in its row (what it sent before workers/ba
 
 A pure `EngineCore` (no model: a fake executor samples token 7) prefills B requests of a given context length,
 then decodes; each decode step's batch is pickled both ways (`pickle.HIGHEST_PROTOCOL`, as
-`WorkerGroup.execute` does). Page size 128 (the m3 preset's). CPU only, a few seconds.
+`WorkerGroup.execute` does), and resolved on a shard-side mirror (`resolve_batch`: the runner's added host work).
+Page size 128 (the m3 preset's). CPU only, a few seconds per context.
 
   PYTHONPATH=$PWD python benchmarks/bench_step_payload.py                # B = 16, 8k and 128k-token contexts
   PYTHONPATH=$PWD python benchmarks/bench_step_payload.py --batch 64 --contexts 32768 --repetition-penalty 1.1
@@ -21,7 +22,8 @@ import time
 
 from msa.metadata import ChunkSpec
 from workers.config import EngineConfig
-from workers.batch import penalty_token_ids
+from workers.batch import penalty_token_ids, resolve_batch
+from workers.batch_delta import SeqMirror
 from workers.core import EngineCore
 from workers.request import SamplingParams
 from workers.runner import StepResult
@@ -63,12 +65,17 @@ def run(batch_size: int, context: int, decode_steps: int, repetition_penalty: fl
         core.add_request(f"r{i}", [rng.randrange(3, 1000) for _ in range(context - 8 * i)],
                          SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True,
                                         repetition_penalty=repetition_penalty))
-    after, before, t_after, t_before = [], [], [], []
+    after, before, t_after, t_before, t_resolve = [], [], [], [], []
+    mirror = SeqMirror()  # the shard's side: every batch is resolved, in order, as a runner does
     while True:
         batch = core.schedule()
         if batch is None:
             break
+        t = time.perf_counter()
+        resolve_batch(batch, mirror)
+        resolve_s = time.perf_counter() - t
         if all(c.is_decode for c in batch.chunks) and len(batch.chunks) == batch_size:
+            t_resolve.append(resolve_s)
             n, t = dumps(batch)
             after.append(n)
             t_after.append(t)
@@ -81,7 +88,7 @@ def run(batch_size: int, context: int, decode_steps: int, repetition_penalty: fl
             "decode_steps": len(after),
             "bytes_before": statistics.mean(before), "bytes_after": statistics.mean(after),
             "bytes_after_max": max(after), "dumps_us_before": statistics.median(t_before) * 1e6,
-            "dumps_us_after": statistics.median(t_after) * 1e6}
+            "dumps_us_after": statistics.median(t_after) * 1e6, "resolve_us": statistics.median(t_resolve) * 1e6}
 
 
 def main() -> None:
@@ -95,12 +102,12 @@ def main() -> None:
     args = p.parse_args()
     rows = [run(args.batch, c, args.decode_steps, rp) for rp in args.repetition_penalty for c in args.contexts]
     print(f"{'B':>4} {'context':>8} {'rep pen':>7} {'steps':>6} {'bytes before':>13} {'bytes after':>12} "
-          f"{'max after':>10} {'dumps us before':>16} {'dumps us after':>15}")
+          f"{'max after':>10} {'dumps us before':>16} {'dumps us after':>15} {'resolve us':>11}")
     for r in rows:
         print(f"{r['batch']:>4} {r['context']:>8} {r['repetition_penalty']:>7} {r['decode_steps']:>6} "
               f"{r['bytes_before']:>13,.0f} "
               f"{r['bytes_after']:>12,.0f} {r['bytes_after_max']:>10,} {r['dumps_us_before']:>16.1f} "
-              f"{r['dumps_us_after']:>15.1f}")
+              f"{r['dumps_us_after']:>15.1f} {r['resolve_us']:>11.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
