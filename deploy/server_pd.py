@@ -167,7 +167,7 @@ class KVSide:
 
     def _wired(self, group: str) -> bool:
         """Whether this engine has KV pairs with the remote group `group` (off the step thread: a dict read)."""
-        return any(kv.kv_wired(group) for kv in self._engine.engine.connectors)
+        return any(kv.pairs.wired(group) for kv in self._engine.engine.connectors)
 
     def _unwired(self, group: str) -> EngineError:
         """A request names a peer group this replica has no pairs with: this replica or its peer restarted and

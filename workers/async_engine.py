@@ -12,8 +12,10 @@ Disaggregation: a prefill engine's `generate(..., handoff_to=group)` streams the
 `admit_remote` reserves pages (run on the step thread); the request starts decoding as soon as its KV landed
 (the first token comes with it), whether or not anyone streams it yet: its outputs are parked until
 `generate_remote` attaches (which streams the rest, or raises `KVTransferFailed`), for at most the transfer
-lease. While transfers are pending the step thread wakes on every settled transfer (a listener on the transfer
-agents) and at least every `TRANSFER_POLL_S`, for leases and timeouts.
+lease. Transfers move on inside steps (their commands and results ride each step, workers/engine_kv.py): while
+transfers are pending and no batch runs, the step thread runs a KV-only step whenever one would change something
+(commands queued, a request ready), on every settled transfer (a listener on in-process transfer agents), and
+otherwise at most every `TRANSFER_POLL_S` (results from shard actors, leases and timeouts).
 
 `debug_timeline(since)` answers where the time went: the step thread keeps the latest `TIMELINE_STEPS` steps
 (wall-clock start/end, forward vs host time, the loop's time between steps, tokens per request) in a ring it alone
@@ -310,7 +312,8 @@ class AsyncEngine:
                 t = time.perf_counter()
                 if self._disaggregated:
                     if idle and not self.engine.has_runnable():
-                        # transfers settle on other threads (their listener sets _wake); leases need a clock
+                        # transfers settle on other threads (an in-process listener sets _wake; shard actors report
+                        # in the next KV-only step); leases need a clock. Nothing changed: wait, do not spin
                         self._wake.wait(TRANSFER_POLL_S if self.engine.has_pending_transfers() else None)
                 elif idle and not self.engine.has_unfinished():
                     self._wake.wait()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from workers.request import SamplingParams
 from workers.sampler import suppressed_token_ids
 from workers.scheduler import SchedulerOutput, Sequence as Seq
 from workers.structured import GrammarState, fill_token_bitmask
+
+if TYPE_CHECKING:
+    from workers.kv.commands import KVCommands
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,6 +81,9 @@ class StepBatch:
     # the chunks' page tables and the penalty rows' token ids as a delta against what the shard already holds
     # (None: in the chunks and rows themselves)
     seq_delta: SeqDelta | None = None
+    # KV transfer: this step's commands for every shard of the engine (or dp rank), None without transfers; a
+    # batch with no chunks and commands is a KV-only step (docs/disaggregation.md)
+    kv: KVCommands | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -226,7 +226,7 @@ class DPEngine(EngineAPI):
         (`remote_dp` > 1) gets pairs per its own dp rank too (`Engine.kv_listen`): every (prefill dp rank,
         decode dp rank) meets."""
         return [({**route, "dp": d}, address) for d, kv in enumerate(self.connectors)
-                for route, address in kv.kv_listen(group, remote_tp, remote_dp)]
+                for route, address in kv.pairs.listen(group, remote_tp, remote_dp)]
 
     # ---- disaggregation: prefill role -----------------------------------------------------------------------
     # Each dp rank sends the requests it ran from its own tp group's shards: the decode side listened once per
@@ -244,18 +244,18 @@ class DPEngine(EngineAPI):
                              f"engine has dp={len(self.cores)} (the decode side must listen with "
                              f"remote_dp={len(self.cores)})")
         for d, kv in enumerate(self.connectors):
-            kv.kv_connect(group, by_rank[d])
+            kv.pairs.connect(group, by_rank[d])
 
     def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
         for kv in self.connectors:
-            kv.kv_wait_ready(timeout_s, group)
+            kv.pairs.wait_ready(timeout_s, group)
 
     def kv_drop(self, group: str) -> None:
         for kv in self.connectors:
-            kv.kv_drop(group)
+            kv.pairs.drop(group)
 
     def kv_broken(self, group: str) -> str | None:
-        return next((f"dp rank {d}: {why}" for d, kv in enumerate(self.connectors) if (why := kv.kv_broken(group))),
+        return next((f"dp rank {d}: {why}" for d, kv in enumerate(self.connectors) if (why := kv.pairs.broken(group))),
                     None)
 
     def _forget_settled(self) -> None:

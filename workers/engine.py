@@ -12,8 +12,9 @@ Roles (docs/disaggregation.md): "unified" runs requests start to end. "prefill" 
 samples its first token; a request added with `handoff_to=<decode group>` then keeps its pages, sends them to
 that decode group and frees them once the transfer settled (or its lease expired): `workers/kv/handoff.py`.
 "decode" reserves a request's pages first (`admit_remote`), receives the prompt's KV into them, and decodes from
-there as soon as they landed (`workers/kv/remote.py`); `poll_transfers` (called by `step`) moves those requests
-on; it never blocks.
+there as soon as they landed (`workers/kv/remote.py`). The KV work rides the steps: each step's batch carries
+the connector's commands to the shards and its result brings their events back (`workers/engine_kv.py`); with no
+batch to run, a KV-only step moves pending transfers on. It never blocks on a transfer.
 
 `make_engine` builds the engine a parallel layout needs: an `Engine` (one core), or with attention data
 parallelism (dp > 1) a `DPEngine` (workers/dp.py: one core per dp rank around one group execute).
@@ -100,19 +101,19 @@ class Engine(EngineAPI):
                               first_from_kv=first_from_kv)
 
     def kv_listen(self, group: str, remote_tp: int, remote_dp: int = 1) -> list:
-        return self.kv.kv_listen(group, remote_tp, remote_dp)
+        return self.kv.pairs.listen(group, remote_tp, remote_dp)
 
     def kv_connect(self, group: str, listened: list) -> None:
-        self.kv.kv_connect(group, listened)
+        self.kv.pairs.connect(group, listened)
 
     def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
-        self.kv.kv_wait_ready(timeout_s, group)
+        self.kv.pairs.wait_ready(timeout_s, group)
 
     def kv_drop(self, group: str) -> None:
-        self.kv.kv_drop(group)
+        self.kv.pairs.drop(group)
 
     def kv_broken(self, group: str) -> str | None:
-        return self.kv.kv_broken(group)
+        return self.kv.pairs.broken(group)
 
     def shutdown(self) -> None:
         self._shutdown_connectors()

@@ -32,6 +32,7 @@ from msa.config import load_config
 from workers.batch import StepBatch
 from workers.config import EngineConfig, Role
 from workers.core import EngineCore, EngineCoreOutput
+from workers.engine_kv import EngineKV
 from workers.executor import ExecutorDeadError
 from workers.kv.config import TransferConfig
 from workers.kv.connector import KVConnector
@@ -40,7 +41,7 @@ from workers.memory import step_failure
 from workers.output import OutputProcessor
 from workers.request import RequestOutput, SamplingParams
 from workers.runner import StepResult
-from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+from workers.stats import EngineStats, RequestStats, StepStats
 from workers.structured import LazyCompiler, StructuredOutputCompiler
 from workers.tokenizer import Tokenizer
 
@@ -63,8 +64,9 @@ class Rank:
     kv: KVConnector
 
 
-class EngineAPI:
-    """The engine API (requests, the step, disaggregation, stats) over `self.ranks`; see the module docstring.
+class EngineAPI(EngineKV):
+    """The engine API (requests, the step, stats) over `self.ranks`, with `EngineKV`'s disaggregation surface;
+    see the module docstring.
     Subclasses call `_setup` and `_add_rank`, and define `_execute` and `shutdown`."""
 
     def _setup(self, model_dir: str | Path, engine_config: EngineConfig, role: Role,
@@ -87,6 +89,7 @@ class EngineAPI:
         self.num_steps = 0
         # async scheduling: (batch, handle) of the launched step whose result is read next
         self._in_flight: tuple[StepBatch, object] | None = None
+        self._parked: list[RequestOutput] = []  # outputs of a KV-only step run between steps (an abort's)
 
     def _add_rank(self, info: dict, agents: Sequence = ()) -> Rank:
         """A core over a pool of `info["num_pages"]` pages, and its connector over `agents`."""
@@ -119,15 +122,6 @@ class EngineAPI:
     def cores(self) -> list[EngineCore]:
         return [r.core for r in self.ranks]
 
-    @property
-    def connectors(self) -> list[KVConnector]:
-        return [r.kv for r in self.ranks]
-
-    @property
-    def agents(self) -> list:
-        """Every rank's transfer agents, in rank order."""
-        return [a for r in self.ranks for a in r.kv.agents]
-
     # ---- requests ---------------------------------------------------------------------------------------
     def validate_request(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field if the request can never be served (reads configuration only)."""
@@ -157,6 +151,8 @@ class EngineAPI:
         done = rank.kv.abort(rank.core, request_id)
         if done is None:
             done = rank.core.abort_request(request_id) is not None
+        else:
+            self._settle_now(rank)
         if not rank.core.holds(request_id):
             self.output.drop(request_id)
         return done
@@ -188,17 +184,10 @@ class EngineAPI:
         return self.has_runnable() or self.has_pending_transfers()
 
     def has_runnable(self) -> bool:
-        """Requests a step can move on (not those only waiting on a KV transfer), or a step launched ahead whose
-        result the next step reads (async scheduling)."""
-        return self._in_flight is not None or any(r.core.has_unfinished() for r in self.ranks)
-
-    def hands_off(self, request_id: str) -> bool:
-        """Prefill role: whether `request_id` will send (or is sending) its KV to a decode group."""
-        return self.role == "prefill" and any(r.kv.holds(request_id) for r in self.ranks)
-
-    def has_pending_transfers(self) -> bool:
-        """Requests waiting on a KV transfer (or its lease) rather than on a step."""
-        return any(r.kv.has_pending() for r in self.ranks)
+        """Requests a step can move on (not those only waiting on a KV transfer), KV commands waiting for a step,
+        or a step launched ahead whose result the next step reads (async scheduling)."""
+        return (self._in_flight is not None or bool(self._parked)
+                or any(r.core.has_unfinished() or r.kv.wants_step() for r in self.ranks))
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -207,27 +196,34 @@ class EngineAPI:
         if self._runs_async():
             return self._step_async()
         t0 = time.perf_counter()
-        outputs: list[RequestOutput] = []
+        outputs, self._parked = self._parked, []
         batches: list[StepBatch | None] = []
+        started: list[bool] = []  # per rank: requests started decoding from the last step's KV results
         for rank in self.ranks:
             polled = self._poll(rank) if rank.kv.has_pending() else []
             outputs += polled
+            started.append(bool(polled))
             # requests that start decoding now: their first token goes out before this rank's next forward
             batches.append(None if polled else rank.core.schedule())
-        if all(b is None for b in batches):
-            return outputs
         scheduled = [r.core.scheduled for r in self.ranks]
         for rank in self.ranks:
             rank.kv.on_schedule(rank.core)
+        # each rank's KV commands ride its batch; a rank with none but transfers to move gets a KV-only batch
+        batches = [b if s else self._with_kv(rank, b) for rank, b, s in zip(self.ranks, batches, started, strict=True)]
+        if all(b is None for b in batches):
+            return outputs
         try:
             results = self._execute(batches)
         except BaseException as e:
             return outputs + self._fail_step(batches, e)
-        for rank, result in zip(self.ranks, results, strict=True):
-            if result is not None:
+        for rank, batch, result in zip(self.ranks, batches, results, strict=True):
+            if result is not None and rank.core.scheduled is not None:
                 outputs += self._deliver(rank, rank.core.update(result))
             rank.kv.after_step(rank.core)
-        self._record_step(t0, scheduled, results)
+            if batch is not None and batch.kv is not None and result is not None:
+                outputs += self._kv_events(rank, result.kv)
+        if any(s is not None for s in scheduled):  # a KV-only step is no step of the model's
+            self._record_step(t0, scheduled, results)
         return outputs
 
     def _step_async(self) -> list[RequestOutput]:
@@ -302,7 +298,7 @@ class EngineAPI:
             raise error
         outputs: list[RequestOutput] = []
         for rank, batch in zip(self.ranks, batches):
-            if batch is None:
+            if batch is None or rank.core.scheduled is None:  # no batch, or a KV-only one
                 continue
             rids = list(dict.fromkeys(c.seq.request.request_id for c in rank.core.scheduled.chunks))
             failure = step_failure(error, num_tokens=batch.num_tokens, num_requests=len(rids))
@@ -336,68 +332,6 @@ class EngineAPI:
             batch_size=sum(len(s.chunks) for s in ran), num_preemptions=sum(len(s.preempted) for s in ran)))
         self.num_steps += 1
 
-    # ---- disaggregation ---------------------------------------------------------------------------------
-    def _poll(self, rank: Rank) -> list[RequestOutput]:
-        core_outputs, dropped = rank.kv.poll(rank.core)
-        for rid in dropped:
-            self.output.drop(rid)
-        return self._deliver(rank, core_outputs)
-
-    def poll_transfers(self) -> list[RequestOutput]:
-        """Move disaggregated requests on (non-blocking): free a prefill's pages once its transfer settled or
-        its lease expired; start decoding a request whose KV landed and whose first token is known; fail one
-        whose KV cannot come. Returns the outputs of requests that started decoding."""
-        return [out for rank in self.ranks for out in self._poll(rank)]
-
-    def _admit_on(self, rank: Rank, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *,
-                  group: str, transfer_id: str | None, prompt: str | None, arrival_time: float | None,
-                  first_from_kv: bool) -> list[int] | None:
-        if self.role != "decode":
-            raise ValueError(f"role: only a decode engine admits remote prefills (this one is {self.role})")
-        req = rank.kv.admit_remote(rank.core, request_id, prompt_token_ids, params, group=group,
-                                   transfer_id=transfer_id, arrival_time=arrival_time, first_from_kv=first_from_kv)
-        if req is None:
-            return None
-        self.output.add(req, prompt)
-        return list(rank.core.pages.page_table(req.seqs[0].seq_id))
-
-    def continue_remote(self, request_id: str, first_token: int,
-                        first_logprobs: dict[int, float] | None = None) -> None:
-        """Decode role: the first token (sampled by the prefill engine) of an admitted request; it decodes on
-        once its KV has landed. A request already decoding (its first token came with the KV) goes on as it is."""
-        rank = self._rank_of(request_id)
-        if rank is None or self.role != "decode":
-            raise KeyError(f"request_id: {request_id!r} is not awaiting its KV here (unknown, failed or aborted)")
-        rank.kv.continue_remote(rank.core, request_id, first_token, first_logprobs)
-
-    def fail_remote(self, request_id: str, why: str) -> bool:
-        """Decode role: the request's KV will not come (its prefill reported the transfer failed): fail it now
-        (its stream gets `KVTransferFailed(why)`) rather than at its lease. False when it is not awaiting its KV
-        (unknown, landed already, or failed/aborted before)."""
-        rank = self._rank_of(request_id)
-        if rank is None or self.role != "decode":
-            return False
-        failed = rank.kv.fail_remote(rank.core, request_id, why)
-        if not rank.core.holds(request_id):
-            self.output.drop(request_id)
-        return failed
-
-    def pop_failures(self) -> list[tuple[str, str]]:
-        """(request id, reason) of decode requests that failed for their KV since the last call."""
-        return [x for r in self.ranks for x in r.kv.pop_failures()]
-
-    def pop_transfer_outcomes(self) -> list[tuple[str, bool, str | None]]:
-        """Prefill: (request id, ok, reason) of every handed-off request whose transfer settled."""
-        return [x for r in self.ranks for x in r.kv.pop_transfer_outcomes()]
-
-    def pop_transfer_stats(self) -> list[TransferStats]:
-        return [x for r in self.ranks for x in r.kv.pop_transfer_stats()]
-
-    def add_transfer_listener(self, fn) -> None:
-        """`fn()` is called (from a transfer thread) whenever a transfer of this engine settles."""
-        for rank in self.ranks:
-            rank.kv.add_listener(fn)
-
     # ---- stats ------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Summed over ranks (pages: the pools of all ranks together); requests whose pages are reserved while
@@ -417,9 +351,6 @@ class EngineAPI:
         self._step_stats.clear()
         return out
 
-    def _shutdown_connectors(self) -> None:
-        for rank in self.ranks:
-            rank.kv.shutdown()
 
 
 def _rank_stats(role: str, rank: Rank) -> EngineStats:

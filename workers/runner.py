@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from workers.memory import (StepOutOfMemoryError, check_pool_holds_max_model_len
                             measure_profile, pages_from_profile, release_cached_memory)
 from workers.sampler import (Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator,
                              skip_draws)
+
+if TYPE_CHECKING:
+    from workers.kv.commands import KVEvents
 
 logger = logging.getLogger("m3serve.runner")
 
@@ -103,6 +107,7 @@ class StepResult:
     sample_time: float  # seconds reading the sampled tokens and logprobs back into lists
     # per StepBatch.prompt_logprob_chunks entry: {target token: logprob, + top-N} for each of its targets
     prompt_logprobs: list[list[dict[int, float]]] = ()
+    kv: KVEvents | None = None  # the shards' answer to the batch's KV commands (workers/kv/commands.py)
 
 
 class StagerRing:

@@ -21,6 +21,9 @@ from workers.config import EngineConfig, ParallelConfig
 from workers.runner import ModelRunner, StepResult
 
 
+_KV_CONTROL = frozenset({"listen", "connect", "wait_ready", "drop", "broken", "set_faults", "transfer_ids"})
+
+
 class ShardWorker:
     """One shard: model weights and KV pages on this actor's device.
 
@@ -46,6 +49,7 @@ class ShardWorker:
         self._store = None
         self.num_calls = 0  # group steps this rank ran (one Ray call each)
         self.agent = None  # this shard's KV transfer end (workers.kv.agent.TransferAgent), prefill/decode roles
+        self.kv_worker = None  # runs each step's KV commands on `agent` (workers.kv.worker.KVWorker)
         if self.parallel.world_size == 1:
             self.runner = ModelRunner(model_dir, engine_config=engine_config, device=device)
 
@@ -97,14 +101,24 @@ class ShardWorker:
         return self.runner.info()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        return self.runner.execute(batch)
+        return self._step(batch)
 
     def execute_pickled(self, payload: bytes) -> StepResult | None:
         """A step whose batch the engine pickled once for every rank of the group. Only a sampling rank (tp
-        rank 0) returns its result; the others return None (nothing the engine reads, nothing to send back)."""
+        rank 0) returns its result; the others return None (nothing the engine reads, nothing to send back), or
+        a bare result carrying their KV events when the batch had KV commands."""
         self.num_calls += 1
-        result = self.runner.execute(pickle.loads(payload))
-        return result if self.runner.samples else None
+        return self._step(pickle.loads(payload))
+
+    def _step(self, batch: StepBatch) -> StepResult | None:
+        """The forward, with the batch's KV commands around it (this shard's `KVWorker`)."""
+        def forward(b: StepBatch) -> StepResult | None:
+            result = self.runner.execute(b)
+            return result if self.runner.samples else None
+
+        if self.kv_worker is None or batch.kv is None:
+            return forward(batch)
+        return self.kv_worker.run_step(batch, forward)
 
     def counters(self) -> dict:
         """{"calls": group steps run, "idle_forwards": empty forwards run for lockstep peers} (tests)."""
@@ -113,13 +127,14 @@ class ShardWorker:
     def ping(self) -> str:
         return "ok"
 
-    # ---- KV transfer (disaggregation): this shard's TransferAgent -----------------------------------------
-    # The pages live in this process, so the agent does too; `workers.kv.group_agent.GroupTransferAgent` fans the
-    # engine's calls out to every shard of a tp group. A send is called after the step that wrote its pages
-    # returned on every rank. These calls run on the actor's own thread, next to a compiled step graph's.
+    # ---- KV transfer (disaggregation): this shard's TransferAgent and KVWorker ------------------------------
+    # The pages live in this process, so the agent does too. Per-request work (prepare, announce, send, abort,
+    # release, results) rides the step (`StepBatch.kv`, run by `self.kv_worker`); what stays here are the
+    # per-pair control calls (`workers.kv.group_agent.GroupAgentControl` fans them out to a tp group's shards).
     def kv_init(self, role: str, num_kv_heads: int, config) -> dict:
         """Build this shard's agent (replacing one built before). -> {"tp", "tp_rank", "host"}."""
         from workers.kv.agent import TransferAgent
+        from workers.kv.worker import KVWorker
 
         if self.agent is not None:
             self.agent.close()
@@ -127,62 +142,24 @@ class ShardWorker:
         host = ray.util.get_node_ip_address()
         self.agent = TransferAgent(self.runner.kv, role=role, num_kv_heads=num_kv_heads, tp=ctx.tp_size,
                                    tp_rank=ctx.tp_rank, config=config, host=host)
+        self.kv_worker = KVWorker(self.agent)
         return {"tp": ctx.tp_size, "tp_rank": ctx.tp_rank, "host": host}
 
-    def _agent(self):
+    def kv_control(self, method: str, *args):
+        """A pair call on this shard's agent: listen, connect, wait_ready, drop, broken, set_faults (tests),
+        transfer_ids (tests: none may be left)."""
+        if method not in _KV_CONTROL:
+            raise ValueError(f"method: {method!r} is not a pair call ({sorted(_KV_CONTROL)})")
         if self.agent is None:
+            if method == "transfer_ids":
+                return []
             raise RuntimeError(f"rank {self.rank}: no KV transfer agent (kv_init first)")
-        return self.agent
-
-    def kv_listen(self, group: str, remote_tp: int) -> list:
-        return self._agent().listen(group, remote_tp)
-
-    def kv_connect(self, group: str, listened: list) -> None:
-        self._agent().connect(group, listened)
-
-    def kv_wait_ready(self, timeout_s: float | None, group: str | None) -> None:
-        self._agent().wait_ready(timeout_s, group)
-
-    def kv_drop(self, group: str) -> None:
-        self._agent().drop(group)
-
-    def kv_broken(self, group: str) -> str | None:
-        return self._agent().broken(group)
-
-    def kv_set_faults(self, faults: dict) -> None:
-        self._agent().set_faults(faults)
-
-    def kv_prepare(self, transfer_id: str, page_ids: list[int], group: str) -> None:
-        self._agent().prepare(transfer_id, page_ids, group)
-
-    def kv_send_many(self, items: list, group: str) -> None:
-        """[(transfer id, page ids, meta)]: one payload per pair (TransferAgent.send_many)."""
-        self._agent().send_many(items, group)
-
-    def kv_poll(self, transfer_ids: list[str]) -> tuple[list, list]:
-        """(results of these requests, the stats records settled so far): one round trip per engine poll.
-        The stats are popped after the results, so a request seen settled has its records in this answer."""
-        agent = self._agent()
-        results = agent.results(transfer_ids)
-        return results, agent.pop_stats()
-
-    def kv_abort(self, transfer_id: str) -> bool:
-        return self._agent().abort(transfer_id)
-
-    def kv_release(self, transfer_id: str) -> tuple:
-        """(final result, the stats records settled so far): a released request's records are all in hand."""
-        agent = self._agent()
-        res = agent.release(transfer_id)
-        return res, agent.pop_stats()
-
-    def kv_transfer_ids(self) -> list[str]:
-        """Requests with transfer bookkeeping on this shard (tests: none may be left)."""
-        return [] if self.agent is None else self.agent.transfer_ids()
+        return getattr(self.agent, method)(*args)
 
     def kv_close(self) -> None:
         if self.agent is not None:
             self.agent.close()
-            self.agent = None
+            self.agent = self.kv_worker = None
 
     def stop(self) -> None:
         """Leave the process group cleanly (all ranks call this together)."""

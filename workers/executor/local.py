@@ -13,6 +13,7 @@ from workers.config import EngineConfig
 from workers.runner import StepHandle, StepResult
 from workers.kv.agent import TransferAgent
 from workers.kv.config import TransferConfig
+from workers.kv.worker import KVWorker
 
 
 class LocalExecutor:
@@ -22,12 +23,15 @@ class LocalExecutor:
         from workers.runner import ModelRunner
 
         self.runner = ModelRunner(model_dir, engine_config=engine_config, device=device)
+        self.kv_worker: KVWorker | None = None  # the shard's KV worker side (prefill / decode roles)
 
     def info(self) -> dict:
         return self.runner.info()
 
     def execute(self, batch: StepBatch) -> StepResult:
-        return self.runner.execute(batch)
+        if self.kv_worker is None or batch.kv is None:
+            return self.runner.execute(batch)
+        return self.kv_worker.run_step(batch, self.runner.execute)
 
     def launch(self, batch: StepBatch) -> StepHandle:
         """Start the step without waiting for the device (async scheduling); `.result()` waits."""
@@ -35,7 +39,9 @@ class LocalExecutor:
 
     def transfer_agents(self, role: str, num_kv_heads: int, config: TransferConfig) -> list[TransferAgent]:
         """The disaggregation end of each shard (one here), in shard (tp rank) order."""
-        return [TransferAgent(self.runner.kv, role=role, num_kv_heads=num_kv_heads, config=config)]
+        agent = TransferAgent(self.runner.kv, role=role, num_kv_heads=num_kv_heads, config=config)
+        self.kv_worker = KVWorker(agent)
+        return [agent]
 
     def shutdown(self) -> None:
         self.runner = None

@@ -11,6 +11,7 @@ batch goes to every rank. dp > 1 is `workers.dp.DPEngine`, over one `WorkerGroup
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig
 from workers.executor.base import GroupError, cause_of
 from workers.executor.local import LocalExecutor
+from workers.kv.commands import combine_events
 from workers.kv.group_agent import GroupTransferAgent
 from workers.runner import StepResult
 from workers.kv.config import TransferConfig
@@ -221,7 +223,16 @@ class WorkerGroup:
             except GroupError as e:
                 self._broken = str(e)
                 raise
-        return [by_rank.get(d * p.tp) if batches[d] is not None else None for d in range(p.dp)]
+        return [self._result_of(d, by_rank) if batches[d] is not None else None for d in range(p.dp)]
+
+    def _result_of(self, d: int, by_rank: dict) -> StepResult | None:
+        """Dp rank d's result: its sampling rank's, carrying the KV events of all its tp ranks as one."""
+        tp = self.parallel.tp
+        result = by_rank.get(d * tp)
+        if tp == 1 or result is None or result.kv is None:
+            return result
+        events = combine_events([getattr(by_rank.get(r), "kv", None) for r in range(d * tp, (d + 1) * tp)])
+        return dataclasses.replace(result, kv=events)
 
     def _execute_compiled(self, payloads: list[bytes]) -> list[StepResult | None]:
         try:

@@ -10,10 +10,12 @@ its shards' transfer agents and moves the core's disaggregated requests on:
   cannot come.
 - A unified engine's connector (this base class) has no agents and nothing to move.
 
-The step calls, in order: `poll(core)` (settle transfers, activate landed requests), `on_schedule(core)` (before
-the execute), `on_finished(core, ...)` (each handed-off request), `after_step(core)` (send). Pair wiring
-(`kv_listen`, `kv_connect`, ...) is common to both ends. This is the first cut of the connector: its worker side
-still goes through per-request agent calls (issue 19 moves those into the step).
+The step calls, in order: `poll(core)` (leases; activate requests whose KV landed, from the last step's
+results), `on_schedule(core)` (before the execute: announce), `take_commands()` (this step's `KVCommands`, which
+ride the `StepBatch` to every shard), `on_finished(core, ...)` (each handed-off request), `after_step(core)`
+(queue the sends), `on_events(core, events)` (the shards' `KVEvents` from the `StepResult`: settle transfers).
+The connector never calls an agent per request: its shards' `KVWorker`s run the commands inside the step
+(workers/kv/worker.py). Pair wiring (`pairs`, a `KVPairs`) is per pair and stays a control call.
 """
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from workers.core import EngineCore, EngineCoreOutput
-from workers.kv.agent import TransferAgent
+from workers.kv.commands import Announce, CommandError, KVCommands, KVEvents, Prepare, Send
 from workers.kv.config import TransferConfig
 from workers.kv.endpoint import TransferResult
+from workers.kv.pairs import KVPairs
 from workers.stats import TransferStats
 
 if TYPE_CHECKING:
@@ -57,23 +61,43 @@ def suppress():
     return contextlib.suppress(Exception)
 
 
+@dataclass(eq=False)
+class _Outbox:
+    """Commands queued for the next step (workers/kv/commands.py)."""
+
+    abort: list[str] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+    prepare: list[Prepare] = field(default_factory=list)
+    announce: list[Announce] = field(default_factory=list)
+    send: list[Send] = field(default_factory=list)
+
+    def changes(self) -> bool:
+        return bool(self.abort or self.release or self.prepare or self.announce or self.send)
+
+    def take(self, watch: Sequence[str]) -> KVCommands:
+        cmds = KVCommands(abort=tuple(dict.fromkeys(self.abort)), release=tuple(dict.fromkeys(self.release)),
+                          prepare=tuple(self.prepare), announce=tuple(self.announce), send=tuple(self.send),
+                          watch=tuple(watch))
+        self.abort, self.release, self.prepare, self.announce, self.send = [], [], [], [], []
+        return cmds
+
+
 class KVConnector:
     """A unified engine's connector (no transfers), and what both ends share: agents, pairs, marks, stats."""
 
     def __init__(self, agents: Sequence = (), *, role: str = "unified",
                  config: TransferConfig | None = None) -> None:
-        self.agents = list(agents)  # one per engine (a worker group's spans its shards)
+        self.agents = list(agents)  # one per engine (a worker group's spans its shards): pair calls only
+        self.pairs = KVPairs(self.agents)
         self.role = role
         self.config = config or TransferConfig()
         # handoff marks of disaggregated requests for `AsyncEngine.debug_timeline` (bounded; step thread only)
         self.marks: deque[tuple] = deque(maxlen=_MAX_MARKS)
-        # decode: prefill group -> its per-prefill-dp-rank sub-groups (a prefill with attention DP, kv_listen)
-        self._split: dict[str, list[str]] = {}
-        # the remote groups this engine has pairs with, by every name a request may give (a group and its dp
-        # sub-groups): the replica answers "not wired" before it starts a request that names another (its peer
-        # restarted and the router has not re-wired it yet), instead of failing it half way
-        self._wired: dict[str, set[str]] = {}
         self._transfer_stats: list[TransferStats] = []
+        self._out = _Outbox()  # commands for the next step
+        self._results: dict[str, TransferResult] = {}  # the latest step's result of each watched transfer
+        self._errors: dict[str, CommandError] = {}  # commands a shard could not run, by transfer id
+        self._records: dict[str, list[TransferStats]] = {}  # per-pair stats records by transfer id
 
     # ---- the step (no-ops without transfers) ------------------------------------------------------------
     def holds(self, request_id: str) -> bool:
@@ -124,23 +148,58 @@ class KVConnector:
         out, self._transfer_stats = self._transfer_stats, []
         return out
 
-    def _collect_stats(self) -> None:
-        for agent in self.agents:
-            stats = agent.pop_stats()
-            if self.role == "prefill":  # one record per transfer: the sender's (the receiver's is the same bytes)
-                self._transfer_stats.extend(stats)
+    # ---- the step's KV commands and events ----------------------------------------------------------------
+    def has_commands(self) -> bool:
+        """Commands wait for a step (a KV-only step runs them when no batch does)."""
+        return self._out.changes()
 
-    def _combined(self, transfer_ids: list[str]) -> dict[str, TransferResult]:
-        """Each request's transfer over every shard of this group: one `results` call per agent for all of
-        them (a worker group's agent answers them in one round trip per shard)."""
-        if not transfer_ids:
-            return {}
-        per_agent = [agent.results(transfer_ids) for agent in self.agents]
-        return {tid: TransferAgent.combine(tid, [res[i] for res in per_agent])
-                for i, tid in enumerate(transfer_ids)}
+    def wants_step(self) -> bool:
+        """Whether a step now would move a transfer on (commands queued, or a request ready to go on)."""
+        return self.has_commands()
+
+    def take_commands(self, *, watch: bool = True) -> KVCommands | None:
+        """This step's `KVCommands` (None when there is nothing to run or watch); `watch` False: only run the
+        queued commands (an admission's prepare), ask for no results."""
+        cmds = self._out.take(self._watching() if watch else ())
+        return cmds if cmds else None
+
+    def _watching(self) -> tuple[str, ...]:
+        """The transfers whose results this connector needs from the step."""
+        return ()
+
+    def absorb(self, events: KVEvents | None) -> None:
+        """Keep a step's KV events: the watched results (replacing the last step's), command errors, stats."""
+        if events is None:
+            return
+        self._results = dict(events.results)
+        self._errors.update(events.errors)
+        for s in events.stats:
+            self._records.setdefault(s.request_id, []).append(s)
+
+    def on_events(self, core: EngineCore, events: KVEvents | None) -> tuple[list[EngineCoreOutput], list[str]]:
+        """The step's events are in: keep them and move transfers on (`poll`)."""
+        self.absorb(events)
+        return self.poll(core) if events is not None else ([], [])
+
+    def _abort(self, transfer_id: str) -> None:
+        self._out.abort.append(transfer_id)
+
+    def _release(self, transfer_id: str) -> None:
+        """Let the shards forget a settled transfer; its stats records become one (bytes summed over the shards'
+        pairs, seconds the slowest), a prefill's kept for `pop_transfer_stats`."""
+        self._out.release.append(transfer_id)
+        self._results.pop(transfer_id, None)
+        self._errors.pop(transfer_id, None)
+        records = self._records.pop(transfer_id, [])
+        if records and self.role == "prefill":  # one record per transfer: the sender's (the receiver's is the same)
+            self._transfer_stats.append(TransferStats(
+                request_id=transfer_id, num_bytes=sum(r.num_bytes for r in records),
+                seconds=max(r.seconds for r in records), num_pages=max(r.num_pages for r in records),
+                ok=all(r.ok for r in records)))
 
     def add_listener(self, fn) -> None:
-        """`fn()` is called (from a transfer thread) whenever a transfer of this connector settles."""
+        """`fn()` is called (from a transfer thread) whenever a transfer of this connector settles (in-process
+        agents only: a worker group's engine hears of it from its next step)."""
         for agent in self.agents:
             agent.add_listener(fn)
 
@@ -158,60 +217,3 @@ class KVConnector:
         for agent in self.agents:
             with suppress():
                 agent.close()
-
-    # ---- pairs (each shard's agent takes the routes of its tp rank; the lists cover every shard) -------------
-    def kv_listen(self, group: str, remote_tp: int, remote_dp: int = 1) -> list:
-        """Decode role: open the pairs from prefill group `group` (tp `remote_tp`); returns what its shards
-        `kv_connect` to: [(route as a dict, (host, port))].
-
-        A prefill group with attention DP (`remote_dp` > 1) sends each request from the shards of the dp rank
-        that ran it, so each of its dp ranks needs pairs of its own: they are opened under the sub-group
-        `TransferAgent.dp_group(group, q)` and each entry is tagged "src_dp": q (the prefill engine hands dp
-        rank q its entries). A request that prefill dp rank q computes is admitted under that sub-group;
-        `kv_drop`, `kv_broken` and `kv_wait_ready` of `group` cover all of them."""
-        if remote_dp == 1:
-            out = [x for agent in self.agents for x in agent.listen(group, remote_tp)]
-            self._wired[group] = {group}
-            return out
-        self.kv_drop(group)  # a previous listen of this name (split or not)
-        subs = [TransferAgent.dp_group(group, q) for q in range(remote_dp)]
-        self._split[group] = subs
-        out = [({**route, "src_dp": q}, address) for q, sub in enumerate(subs) for agent in self.agents
-               for route, address in agent.listen(sub, remote_tp)]
-        self._wired[group] = {group, *subs}
-        return out
-
-    def _family(self, group: str) -> list[str]:
-        """The pair groups behind the name `group`: its prefill-dp sub-groups when split, else itself."""
-        return self._split.get(group, [group])
-
-    def kv_connect(self, group: str, listened: list) -> None:
-        """Prefill role: join the pairs decode group `group` listens on (returns at once; see kv_wait_ready)."""
-        tagged = sorted({route["src_dp"] for route, _address in listened if "src_dp" in route})
-        if tagged:  # the decode side opened pairs per prefill dp rank: a DPEngine hands each rank its own
-            raise ValueError(f"listened: pairs for prefill dp ranks {tagged}, but this prefill engine has dp=1 "
-                             f"(the decode side must listen with remote_dp=1)")
-        for agent in self.agents:
-            agent.connect(group, listened)
-        dps = {int(route["dp"]) for route, _address in listened if "dp" in route}
-        self._wired[group] = {group, *(TransferAgent.dp_group(group, d) for d in dps)}
-
-    def kv_wired(self, group: str) -> bool:
-        """Whether this engine has pairs with `group` (by its name or a dp sub-group's); a replica that
-        restarted has none until the router wires it again. Reads a dict only: safe off the step thread."""
-        return any(group in names for names in list(self._wired.values()))
-
-    def kv_wait_ready(self, timeout_s: float | None = None, group: str | None = None) -> None:
-        for g in [None] if group is None else self._family(group):
-            for agent in self.agents:
-                agent.wait_ready(timeout_s, g)
-
-    def kv_drop(self, group: str) -> None:
-        self._wired.pop(group, None)
-        for g in self._split.pop(group, [group]):
-            for agent in self.agents:
-                agent.drop(g)
-
-    def kv_broken(self, group: str) -> str | None:
-        return next((why for g in self._family(group) for agent in self.agents if (why := agent.broken(g))), None)
-

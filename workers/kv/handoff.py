@@ -5,6 +5,10 @@ scheduler finishes it with reason "handoff" and keeps its pages. Then this conne
 decode group and pair for all the step's handoffs) and frees them once the transfer settled or its lease
 expired. With `TransferConfig.announce` the headers of the requests whose prompt completes in a step go out
 before that step's forward; one whose first token ends it after all is sent as withdrawn.
+
+Nothing here calls an agent: announces ride the step they are made for, sends the step after the one that
+sampled the first token (before its forward; a KV-only step when nothing else runs), and aborts and releases
+the next step; each step's results of the sent transfers come back in its `KVEvents` (`poll` reads them).
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from workers.core import EngineCore, EngineCoreOutput
+from workers.kv.commands import Announce, Send
 from workers.kv.config import TransferState
 from workers.kv.connector import KVConnector, first_token_meta
 from workers.request import RequestOutput
@@ -27,6 +32,7 @@ class _Handoff:
     created: float
     sent: bool = False
     aborted: bool = False
+    aborting: bool = False  # an abort is on its way to the shards (sent once)
 
 
 class PrefillConnector(KVConnector):
@@ -40,6 +46,10 @@ class PrefillConnector(KVConnector):
         self._to_withdraw: dict[str, tuple[str, int | None]] = {}
         self._withdrawn: dict[str, tuple[int | None, float]] = {}  # sent withdrawn: transfer id -> (seq id, when)
         self._outcomes: list[tuple[str, bool, str | None]] = []  # (request id, transfer ok, reason)
+        self._aborting: set[str] = set()  # withdrawn transfers whose abort went out
+        # settled, their release queued: reported (`pop_transfer_outcomes`) once the step that releases them ran,
+        # so an outcome means the shards have forgotten the transfer
+        self._releasing: list[tuple[str, bool, str | None]] = []
 
     def add_handoff(self, request_id: str, seq_id: int, *, transfer_id: str, group: str) -> None:
         """The request (sequence `seq_id`) sends its KV to decode group `group` after its first token."""
@@ -53,7 +63,7 @@ class PrefillConnector(KVConnector):
         return list(self._handoffs)
 
     def has_pending(self) -> bool:
-        return bool(self._handoffs or self._withdrawn)
+        return bool(self._handoffs or self._withdrawn or self._releasing)
 
     def has_withdrawn(self) -> bool:
         """Withdrawn transfers whose pages are not free yet."""
@@ -63,8 +73,7 @@ class PrefillConnector(KVConnector):
         handoff = self._handoffs.get(request_id)
         if handoff is not None and handoff.sent:  # its pages go once the transfer settled (poll)
             handoff.aborted = True
-            for agent in self.agents:
-                agent.abort(handoff.transfer_id)
+            self._abort_once(handoff)
             return True
         if self._handoffs.pop(request_id, None) is not None:
             self._outcomes.append((request_id, False, "aborted"))
@@ -80,49 +89,63 @@ class PrefillConnector(KVConnector):
         return out
 
     # ---- the step ---------------------------------------------------------------------------------------
+    def absorb(self, events) -> None:
+        if events is not None:  # the step that carried the releases queued before it ran
+            self._outcomes += self._releasing
+            self._releasing = []
+        super().absorb(events)
+
+    def _watching(self) -> tuple[str, ...]:
+        return (*(h.transfer_id for h in self._handoffs.values() if h.sent), *self._withdrawn)
+
+    def _abort_once(self, handoff: _Handoff) -> None:
+        if not handoff.aborting:
+            handoff.aborting = True
+            self._abort(handoff.transfer_id)
+
     def poll(self, core: EngineCore) -> tuple[list[EngineCoreOutput], list[str]]:
-        """Free a handed-off request's pages once its transfer settled; abort one nobody collected within the
-        lease (its pages go once the wire lets go)."""
+        """Free the pages of handed-off requests whose transfer settled (the latest step's results), and abort
+        those past their lease (their pages go once the wire lets go)."""
         now = time.monotonic()
         lease = self.config.lease_s
-        results = self._combined([h.transfer_id for h in self._handoffs.values() if h.sent] + list(self._withdrawn))
-        self._settle_withdrawn(core, results, now - lease)
+        self._settle_withdrawn(core, now - lease)
         for rid, h in list(self._handoffs.items()):
-            if not h.sent:
+            res = self._results.get(h.transfer_id) if h.sent else None
+            if res is None:
                 continue
-            res = results[h.transfer_id]
             if res.settled:
-                for agent in self.agents:
-                    agent.release(h.transfer_id)
+                self._release(h.transfer_id)
                 del self._handoffs[rid]
                 core.free_pages(h.seq_id)
                 ok = res.state is TransferState.DONE
-                self._outcomes.append((rid, ok, None if ok else res.reason or "failed"))
+                err = self._errors.get(h.transfer_id)
+                reason = f"not sent: {err.message}" if err is not None else res.reason or "failed"
+                self._releasing.append((rid, ok, None if ok else reason))
                 self.mark("settled", rid, res.marks)
-            elif now - h.created > lease:
-                for agent in self.agents:
-                    agent.abort(h.transfer_id)
-        self._collect_stats()
+            elif res.state is TransferState.FAILED or now - h.created > lease:
+                self._abort_once(h)  # a shard failed it (the others stop too), or its lease ran out
         return [], []
 
-    def _settle_withdrawn(self, core: EngineCore, results: dict, stale: float) -> None:
+    def _settle_withdrawn(self, core: EngineCore, stale: float) -> None:
         """Free the pages of withdrawn transfers once their bytes left (or at the lease)."""
         for tid, (seq_id, since) in list(self._withdrawn.items()):
-            if not results[tid].settled:
-                if since < stale:
-                    for agent in self.agents:
-                        agent.abort(tid)
+            res = self._results.get(tid)
+            if res is None or not res.settled:
+                if res is not None and since < stale and tid not in self._aborting:
+                    self._aborting.add(tid)
+                    self._abort(tid)
                 continue
-            for agent in self.agents:
-                agent.release(tid)
+            self._aborting.discard(tid)
+            self._release(tid)
             del self._withdrawn[tid]
             if seq_id is not None:
                 core.free_pages(seq_id)
 
     def on_schedule(self, core: EngineCore) -> None:
         """The requests whose prompt completes in this step (their first token is sampled in it) have their KV
-        header sent now, before the forward, so the decode side posts its receives while this step computes
-        (`TransferConfig.announce`; agents without `announce` (worker groups) send after the step)."""
+        header sent in this step, before the forward, so the decode side posts its receives while this step
+        computes (`TransferConfig.announce`; engines over worker groups (agents without `announce`) send after
+        the step)."""
         if not self.config.announce or not self._handoffs or core.scheduled is None:
             return
         if not all(hasattr(agent, "announce") for agent in self.agents):
@@ -135,11 +158,8 @@ class PrefillConnector(KVConnector):
             ids = core.pages.page_table(c.seq.seq_id)[:core.pages.pages_for(c.seq.num_prompt_tokens)]
             by_group.setdefault(h.group, []).append((c.seq.request.request_id, h.transfer_id, list(ids)))
         for group, items in by_group.items():
-            try:  # an engine has one agent (a group's spans its shards)
-                for agent in self.agents:
-                    agent.announce([(tid, ids) for _rid, tid, ids in items], group)
-            except ValueError:  # no pairs to that group (any more): nothing went ahead; send_many reports it
-                continue
+            # a group without pairs on a shard: nothing goes ahead there, and the send that follows reports it
+            self._out.announce.append(Announce(group, tuple((tid, tuple(ids)) for _rid, tid, ids in items)))
             for rid, tid, _ids in items:
                 self._announced[rid] = (tid, group)
 
@@ -186,18 +206,13 @@ class PrefillConnector(KVConnector):
             self._send_group(core, group, items, withdrawn)
 
     def _send_group(self, core: EngineCore, group: str, items: list, withdrawn: list[str]) -> None:
+        """Queue one payload per pair for the next step; the lease runs from now. A shard that cannot send (no
+        pairs to `group` there) reports it in the step's events: the transfer reads FAILED and its pages go
+        once every shard's part settled (`poll`)."""
         for rid, _ids, _meta in items:
             self.mark("send", rid)
-        kwargs = {"withdrawn": withdrawn} if withdrawn else {}
-        try:
-            for agent in self.agents:
-                agent.send_many([(self._handoffs[rid].transfer_id, ids, meta) for rid, ids, meta in items], group,
-                                **kwargs)
-        except ValueError as e:  # no pairs to that group (any more)
-            for rid, _ids, _meta in items:
-                core.free_pages(self._handoffs.pop(rid).seq_id)
-                self._outcomes.append((rid, False, f"not sent: {e}"))
-            return
+        self._out.send.append(Send(group, tuple((self._handoffs[rid].transfer_id, tuple(ids), meta)
+                                                for rid, ids, meta in items), tuple(withdrawn)))
         now = time.monotonic()
         for rid, _ids, _meta in items:
             self._handoffs[rid].sent = True

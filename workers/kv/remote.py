@@ -4,6 +4,10 @@
 starts decoding (`EngineCore.activate_remote`, from `poll`) as soon as its KV landed and its first token is known:
 the token rides in the KV header, or (a retried prefill) comes through `continue_remote`. A request whose KV
 cannot come is failed (`pop_failures`), and its pages are freed once every shard's part of the transfer settled.
+
+Nothing here calls an agent: a prepare rides the next step (the engine runs a KV-only step for it at once, so
+the receive is posted before the admission returns, before the prefill side may send), aborts and releases the
+step after; each step's results of the awaited transfers come back in its `KVEvents` (`poll` reads them).
 """
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ from dataclasses import dataclass
 
 from workers.core import EngineCore, EngineCoreOutput
 from workers.kv.config import TransferState
-from workers.kv.connector import KVConnector, first_token_from_meta, suppress
+from workers.kv.agent import UnwiredGroupError
+from workers.kv.commands import Prepare
+from workers.kv.connector import KVConnector, first_token_from_meta
 from workers.request import SamplingParams
 from workers.scheduler import Request
 
@@ -30,6 +36,7 @@ class _Remote:
     first_from_kv: bool = True
     landed: bool = False
     aborted: bool = False  # by the client, or failed: the pages go once the transfer settled
+    seen_since_abort: bool = False  # a step's results came after the abort went out (so they are its own)
     failure: str | None = None
 
 
@@ -39,6 +46,9 @@ class DecodeConnector(KVConnector):
         self._remote: dict[str, _Remote] = {}
         self._failures: list[tuple[str, str]] = []  # (request id, reason): requests that lost their KV
         self._dropped: list[str] = []  # ended by their transfer since the last poll
+        # failed, their pages freed and release queued: reported (`pop_failures`) once the step that releases
+        # them ran, so a failure means nothing of the request is left here
+        self._releasing: list[tuple[str, str]] = []
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._remote
@@ -47,7 +57,7 @@ class DecodeConnector(KVConnector):
         return list(self._remote)
 
     def has_pending(self) -> bool:
-        return bool(self._remote)
+        return bool(self._remote or self._releasing)
 
     @property
     def num_awaiting_kv(self) -> int:
@@ -63,19 +73,24 @@ class DecodeConnector(KVConnector):
             return None
         page_ids = list(core.pages.page_table(req.seqs[0].seq_id))
         tid = transfer_id or request_id
-        try:
-            for agent in self.agents:
-                agent.prepare(tid, page_ids, group)
-        except ValueError:
-            for agent in self.agents:  # a shard that did prepare: let it go again
-                with suppress():
-                    agent.abort(tid)
-                    agent.release(tid)
-            core.withdraw_remote(request_id)
-            raise
+        self._out.prepare.append(Prepare(tid, tuple(page_ids), group))
         self._remote[request_id] = _Remote(transfer_id=tid, created=time.monotonic(), first_from_kv=first_from_kv)
         self.mark("admitted", request_id)
         return req
+
+    def check_admitted(self, core: EngineCore, request_id: str) -> None:
+        """After the step that ran its prepare: raise the error a shard met (`UnwiredGroupError`: no pairs to
+        that group there, retryable; else ValueError), the request withdrawn and its prepare undone (the abort
+        and release ride the next step; its pages are free at once, as no receive is posted for them)."""
+        remote = self._remote.get(request_id)
+        err = None if remote is None else self._errors.get(remote.transfer_id)
+        if err is None:
+            return
+        del self._remote[request_id]
+        self._abort(remote.transfer_id)
+        self._release(remote.transfer_id)
+        core.withdraw_remote(request_id)
+        raise (UnwiredGroupError if err.kind == UnwiredGroupError.__name__ else ValueError)(err.message)
 
     def continue_remote(self, core: EngineCore, request_id: str, first_token: int,
                         first_logprobs: dict[int, float] | None = None) -> None:
@@ -103,9 +118,9 @@ class DecodeConnector(KVConnector):
         remote = self._remote.get(request_id)
         if remote is None:
             return None
-        remote.aborted = True
-        if self._abort_on_every_agent(remote.transfer_id):
-            self._drop_remote(core, request_id)
+        if not remote.aborted:
+            remote.aborted = True
+            self._abort(remote.transfer_id)
         return True
 
     def pop_failures(self) -> list[tuple[str, str]]:
@@ -114,45 +129,55 @@ class DecodeConnector(KVConnector):
         return out
 
     def _fail_remote(self, core: EngineCore, request_id: str, why: str) -> None:
-        """The request's KV cannot come: report it now, free its pages once every shard's part settled."""
+        """The request's KV cannot come: abort it; its pages go once every shard's part settled, and it is
+        reported (`pop_failures`) once the shards let it go."""
         remote = self._remote[request_id]
+        if not remote.aborted:
+            self._abort(remote.transfer_id)
         remote.aborted, remote.failure = True, why
-        self._failures.append((request_id, why))
-        if self._abort_on_every_agent(remote.transfer_id):
-            self._drop_remote(core, request_id)
-
-    def _abort_on_every_agent(self, transfer_id: str) -> bool:
-        """Abort a transfer on every shard's agent (each must hear it, even after one whose part is still in
-        flight); True when all parts have settled."""
-        settled = [agent.abort(transfer_id) for agent in self.agents]
-        return all(settled)
 
     def _drop_remote(self, core: EngineCore, request_id: str) -> None:
         """Forget a remote request whose transfer settled; free its pages (abort or failure)."""
         remote = self._remote.pop(request_id)
-        for agent in self.agents:
-            with suppress():
-                agent.release(remote.transfer_id)
+        self._release(remote.transfer_id)
         core.abort_request(request_id, failure_reason=None if remote.failure is None else "transfer")
         self._dropped.append(request_id)
+        if remote.failure is not None:
+            self._releasing.append((request_id, remote.failure))
+
+    def _watching(self) -> tuple[str, ...]:
+        return tuple(r.transfer_id for r in self._remote.values())
+
+    def absorb(self, events) -> None:
+        super().absorb(events)
+        if events is not None:  # the step that carried the releases queued before it ran
+            self._failures += self._releasing
+            self._releasing = []
+        if events is not None and events.results:
+            for r in self._remote.values():
+                r.seen_since_abort = r.aborted
+
+    def wants_step(self) -> bool:
+        return super().wants_step() or any(r.landed and r.first is not None and not r.aborted
+                                           for r in self._remote.values())
 
     def poll(self, core: EngineCore) -> tuple[list[EngineCoreOutput], list[str]]:
         """Start decoding a request whose KV landed and whose first token is known; fail one whose KV cannot
         come (transfer failed, or nothing within the lease); drop aborted ones once their transfer settled."""
         now = time.monotonic()
         lease = self.config.lease_s
-        results = self._combined([r.transfer_id for r in self._remote.values()])
         outputs: list[EngineCoreOutput] = []
         for rid, r in list(self._remote.items()):
-            res = results[r.transfer_id]
+            res = self._results.get(r.transfer_id)
             if r.aborted:
-                if res.settled:
+                # results from a step that ran the abort: settled means the wire lets go of the pages
+                if res is not None and res.settled and r.seen_since_abort:
                     self._drop_remote(core, rid)
                 continue
-            if res.state is TransferState.FAILED:
+            if res is not None and res.state is TransferState.FAILED:
                 self._fail_remote(core, rid, f"KV transfer failed: {res.reason}")
                 continue
-            if res.state is TransferState.DONE and not r.landed:
+            if res is not None and res.state is TransferState.DONE and not r.landed:
                 r.landed = True
                 self.mark("landed", rid, res.marks)
                 if r.first is None and r.first_from_kv and res.meta is not None:
@@ -163,14 +188,12 @@ class DecodeConnector(KVConnector):
             elif now - r.created > lease:
                 why = "the first token never came" if r.landed else "no KV arrived"
                 self._fail_remote(core, rid, f"lease expired after {lease:g} s: {why}")
-        self._collect_stats()
         dropped, self._dropped = self._dropped, []
         return outputs, dropped
 
     def _activate(self, core: EngineCore, rid: str, r: _Remote) -> list[EngineCoreOutput]:
         del self._remote[rid]
         self.mark("activated", rid)
-        for agent in self.agents:
-            agent.release(r.transfer_id)
+        self._release(r.transfer_id)
         token, logprobs = r.first
         return core.activate_remote(rid, token, logprobs)
