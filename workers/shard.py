@@ -48,6 +48,7 @@ class ShardWorker:
         self.runner: ModelRunner | None = None
         self._store = None
         self.num_calls = 0  # group steps this rank ran (one Ray call each)
+        self.num_kv_steps = 0  # group KV-only steps (no forward) this rank ran
         self.agent = None  # this shard's KV transfer end (workers.kv.agent.TransferAgent), prefill/decode roles
         self.kv_worker = None  # runs each step's KV commands on `agent` (workers.kv.worker.KVWorker)
         if self.parallel.world_size == 1:
@@ -107,8 +108,12 @@ class ShardWorker:
         """A step whose batch the engine pickled once for every rank of the group. Only a sampling rank (tp
         rank 0) returns its result; the others return None (nothing the engine reads, nothing to send back), or
         a bare result carrying their KV events when the batch had KV commands."""
-        self.num_calls += 1
-        return self._step(pickle.loads(payload))
+        batch = pickle.loads(payload)
+        if batch.chunks or batch.kv is None or batch.kv.forward:
+            self.num_calls += 1
+        else:
+            self.num_kv_steps += 1
+        return self._step(batch)
 
     def _step(self, batch: StepBatch) -> StepResult | None:
         """The forward, with the batch's KV commands around it (this shard's `KVWorker`)."""
@@ -121,8 +126,9 @@ class ShardWorker:
         return self.kv_worker.run_step(batch, forward)
 
     def counters(self) -> dict:
-        """{"calls": group steps run, "idle_forwards": empty forwards run for lockstep peers} (tests)."""
-        return {"calls": self.num_calls, "idle_forwards": self.runner.num_idle_forwards}
+        """{"calls": group steps run, "kv_steps": KV-only steps run, "idle_forwards": empty forwards run for
+        lockstep peers} (tests)."""
+        return {"calls": self.num_calls, "kv_steps": self.num_kv_steps, "idle_forwards": self.runner.num_idle_forwards}
 
     def ping(self) -> str:
         return "ok"

@@ -257,14 +257,20 @@ def _prefill_dp_token_placement(engines: dict) -> dict:
     return out
 
 
-def _poll_round_trip_ms(engine, n: int = 30) -> float:
-    """What one engine poll of a tp2 group's transfers costs (both shards answer in parallel): median ms."""
-    agent = engine.agents[0]
+def _kv_step_round_trip_ms(engine, n: int = 30) -> float:
+    """What one KV-only step of a tp2 group costs (both shards run the commands and answer in parallel; it
+    replaced the transfer poll): median ms."""
+    from workers.batch import StepBatch
+    from workers.kv.commands import KVCommands
+
+    batch = StepBatch(input_ids=[], chunks=[], sample_chunks=[], rows=[], released_seq_ids=[],
+                      kv=KVCommands(watch=("nothing",)))
     times = []
     for _ in range(n):
         t = time.perf_counter()
-        agent.results([])
+        result = engine.executor.execute(batch)
         times.append(1e3 * (time.perf_counter() - t))
+        assert result.kv.results["nothing"].settled  # unknown on both shards: reported, combined
     return sorted(times)[n // 2]
 
 
@@ -363,7 +369,7 @@ def drive(ckpt: str) -> dict:
         t = time.monotonic()
         result["prefill_dp_tokens"] = _prefill_dp_token_placement(engines)
         result["prefill_dp_tokens"]["seconds"] = time.monotonic() - t
-        result["poll_ms"] = _poll_round_trip_ms(engines["prefill_tp2"])
+        result["poll_ms"] = _kv_step_round_trip_ms(engines["prefill_tp2"])
         result["refused"] = _refused_from_tp2(engines, groups)
         result["abort_dp"] = _abort_on_dp_rank(engines, groups)
         result["full_dp"] = _full_dp_pool(engines, groups)

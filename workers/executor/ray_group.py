@@ -207,14 +207,18 @@ class WorkerGroup:
             raise GroupError(f"worker group unusable: {self._broken}")
         if all(b is None for b in batches):
             return [None] * p.dp
+        kv_only = not any(b is not None and b.chunks for b in batches)
+        if kv_only:  # no dp rank computes: only those with KV commands are called, and none runs a forward
+            batches = [None if b is None else dataclasses.replace(b, kv=dataclasses.replace(b.kv, forward=False))
+                       for b in batches]
         payloads = [self._empty_payload if b is None else pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL)
                     for b in batches]
-        if self._dag is not None:
+        if self._dag is not None and not kv_only:
             by_rank = dict(enumerate(self._execute_compiled(payloads)))
         else:
             calls: dict = {}
             for d, batch in enumerate(batches):
-                if batch is None and not self.lockstep:
+                if batch is None and (kv_only or not self.lockstep):
                     continue  # nobody waits on this dp rank's collectives
                 for r in range(d * p.tp, (d + 1) * p.tp):
                     calls[self.actors[r].execute_pickled.remote(payloads[d])] = r

@@ -61,6 +61,9 @@ class KVCommands:
     send: tuple[Send, ...] = ()
     abort: tuple[str, ...] = ()  # last: a request aborted right after its prepare or send was queued
     watch: tuple[str, ...] = ()
+    # False (set by an executor): a KV-only step of the whole engine, so no shard runs even the empty forward a
+    # lockstep dp group runs for an idle rank (no rank computes: no collective to match)
+    forward: bool = True
 
     def __bool__(self) -> bool:
         return bool(self.abort or self.release or self.prepare or self.announce or self.send or self.watch)

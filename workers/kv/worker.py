@@ -78,7 +78,7 @@ class KVWorker:
         self.in_step = True
         try:
             errors = self.run(cmds)
-            result = execute(batch)
+            result = execute(batch) if batch.chunks or cmds.forward else None
             events = self.report(cmds, errors)
         finally:
             self.in_step = False
