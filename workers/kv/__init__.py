@@ -33,7 +33,9 @@ Pages may be freed (both sides) once a request is *settled*: every pair operatio
 
 Modules: config (TransferConfig, states), routes (who sends which heads), wire (header, chunk plan, status and
 trailer codecs), endpoint (operations, results, the endpoint state machine, the pair thread), sender, receiver,
-agent (one shard's end: TransferAgent), group_agent (the engine's end over a tp group's shard actors), transport
-(PairChannel: the header stream and point-to-point backend), nccl (our own NCCL calls), faults (a faulty wire for
-tests and fault drills).
+agent (one shard's end: TransferAgent), commands (what a step carries: KVCommands in, KVEvents out), worker (the
+worker side on each shard: KVWorker runs a step's commands on its agent), connector / handoff / remote (the
+scheduler side beside each engine core), pairs (pair wiring), group_agent (pair calls over a tp group's shard
+actors), transport (PairChannel: the header stream and point-to-point backend), nccl (our own NCCL calls), faults
+(a faulty wire for tests and fault drills).
 """

@@ -103,8 +103,7 @@ class _Endpoint:
         """Start the worker of one pair (it opens the channel in the background; see `wait_ready`)."""
         if name in self._workers:
             raise ValueError(f"name: peer {name!r} already added")
-        self._check_route(route)
-        self._check_channel(channel)
+        self._check_peer(channel, route)
         w = self._worker_class()(self, name, channel, route)
         self._workers[name] = w
         w.start()
@@ -131,16 +130,15 @@ class _Endpoint:
         self._fail_unsettled(name, f"pair_broken: pair {name} removed")
 
     # --- peers ---
-    def _check_channel(self, channel: PairChannel) -> None:
-        if getattr(channel, "backend", "gloo") == "torch-nccl" and channel.timeout_s <= self.config.timeout_s:
-            raise ValueError(f"channel: timeout_s {channel.timeout_s} must exceed the transfer timeout "
-                             f"{self.config.timeout_s} (NCCL's watchdog would fire before this end gives up)")
-
-    def _check_route(self, route: Route) -> None:
+    def _check_peer(self, channel: PairChannel, route: Route) -> None:
+        """A pair this end can serve: its route's heads are this shard's, and an NCCL channel outlasts a transfer."""
         lo, hi = self.kv_head_start, self.kv_head_start + self.num_local_heads
         if not lo <= route.head_start < route.head_end <= hi:
             raise ValueError(f"route: heads [{route.head_start}, {route.head_end}) are not within this shard's "
                              f"heads [{lo}, {hi})")
+        if getattr(channel, "backend", "gloo") == "torch-nccl" and channel.timeout_s <= self.config.timeout_s:
+            raise ValueError(f"channel: timeout_s {channel.timeout_s} must exceed the transfer timeout "
+                             f"{self.config.timeout_s} (NCCL's watchdog would fire before this end gives up)")
 
     def wait_ready(self, timeout_s: float | None = None, *, peers: Sequence[str] | None = None) -> None:
         """Block until every pair (or the given `peers`) is open; raises TransferError naming a pair that
