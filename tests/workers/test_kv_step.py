@@ -65,9 +65,23 @@ def test_decode_abort_goes_out_in_a_step_and_frees_once_settled():
     _out, dropped = kv.on_events(core, KVEvents(results={"r": _result("r", TransferState.FAILED)}))
     assert dropped == ["r"] and core.pages.num_free_pages == free
     assert kv.take_commands().release == ("r",)
-    assert kv.has_pending()  # until the step that releases it ran
+    assert not kv.has_pending() and not kv.has_commands() and kv.pop_failures() == []  # aborted, not failed
+
+
+def test_decode_failure_is_reported_once_released():
+    """A transfer that failed: the abort goes out, the pages go once settled, and the failure is reported only
+    after the step that released it ran (nothing of the request left on any shard)."""
+    core = _decode_core()
+    kv = DecodeConnector(["an agent"], role="decode", config=TransferConfig())
+    kv.admit_remote(core, "r", list(range(3, 13)), SamplingParams(max_tokens=3), group="p#0")
+    kv.take_commands()
+    kv.on_events(core, KVEvents(results={"r": _result("r", TransferState.FAILED)}))
+    assert kv.take_commands().abort == ("r",) and kv.pop_failures() == []
+    _out, dropped = kv.on_events(core, KVEvents(results={"r": _result("r", TransferState.FAILED)}))
+    assert dropped == ["r"] and kv.take_commands().release == ("r",)
+    assert kv.has_pending() and kv.pop_failures() == []  # until the step that releases it ran
     kv.absorb(KVEvents())
-    assert not kv.has_pending() and kv.pop_failures() == []  # aborted, not failed
+    assert not kv.has_pending() and [rid for rid, _why in kv.pop_failures()] == ["r"]
 
 
 def test_decode_command_error_fails_the_request():
@@ -149,6 +163,7 @@ def test_kv_only_step_moves_a_pending_transfer_on(pair, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     p = prompts()[5]
     decode.admit_remote("k", p, sp, group=P_GROUP)
+    prefill.add_request("k", p, sp, handoff_to=D_GROUP)
     ran: list = []
     real = decode.executor.execute
     monkeypatch.setattr(decode.executor, "execute", lambda b: ran.append(b) or real(b))
