@@ -6,6 +6,8 @@ prefill and a decode engine by a real gloo pair (as tests/workers/test_engine_ro
 reaches their shards."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -167,15 +169,16 @@ def test_kv_only_step_moves_a_pending_transfer_on(pair, monkeypatch):
     ran: list = []
     real = decode.executor.execute
     monkeypatch.setattr(decode.executor, "execute", lambda b: ran.append(b) or real(b))
-    while prefill.has_unfinished():  # prefill, handoff, send, settle
+    deadline = time.monotonic() + 30.0  # a bound against hanging, not a timing check
+    while prefill.has_unfinished():  # prefill, handoff, send (a KV-only step), settle
+        assert time.monotonic() < deadline, "the prefill's transfer never settled"
         prefill.step()
     assert not decode.core.has_unfinished() and decode.has_pending_transfers()
     first = []
-    for _ in range(1000):
+    while not first:
+        assert time.monotonic() < deadline, "the decode side never started the request"
         first = decode.step()
-        if first:
-            break
-    assert first and first[0].request_id == "k" and len(first[0].outputs[0].token_ids) == 1
+    assert first[0].request_id == "k" and len(first[0].outputs[0].token_ids) == 1
     kv_only = [b for b in ran if not b.chunks]
     assert kv_only and all(b.kv is not None and "k" in b.kv.watch and not b.rows for b in kv_only)
     while decode.has_unfinished():
