@@ -54,6 +54,7 @@ CLEAN_TREE = {
     "workers/__init__.py": "",
     "workers/engine.py": "import yaml\nfrom msa import model\nfrom workers import executor, dp\n",
     "workers/engine_api.py": "from workers import core, output, executor, kv, tokenizer\n",
+    "workers/engine_kv.py": "from workers import kv\n",
     "workers/dp.py": "from workers import engine_api, core\n",
     "workers/core.py": "from workers import scheduler, tracking\n",
     "workers/tracking.py": "",
@@ -165,8 +166,7 @@ def test_in_process_engine_needs_no_ray():
 # DESIGN.md §8 budgets that keep rooms findable. Classes over budget when this check came, being split under
 # issue 19 by their owners' branches: tolerated by name (delete the entry once it fits), nothing new joins them.
 MODULE_LINES, CLASS_METHODS = 600, 25
-KNOWN_OVER_BUDGET = {"workers/engine_api.py:EngineAPI", "workers/kv/connector.py:KVConnector",
-                     "workers/kv/endpoint.py:_Endpoint"}
+KNOWN_OVER_BUDGET: set[str] = set()
 
 
 def over_budget(root: Path) -> set[str]:
