@@ -1,10 +1,10 @@
 """The scheduler side of KV transfer for one engine core: `KVConnector` (docs/disaggregation.md).
 
-An engine (or each dp rank of one) has a core (`workers/core.py`) and a connector beside it; the connector drives
-its shards' transfer agents and moves the core's disaggregated requests on:
+An engine (or each dp rank of one) has a core (`workers/core.py`) and a connector beside it; the connector writes
+the KV commands of each step for its shards and moves the core's disaggregated requests on from their events:
 
 - `PrefillConnector` (workers/kv/handoff.py): requests that hand their KV to a decode group after their first
-  token: announce before the step, send after it, free the pages once the transfer settled (or its lease ran out).
+  token: announce in the step, send in the next, free the pages once the transfer settled (or its lease ran out).
 - `DecodeConnector` (workers/kv/remote.py): requests whose pages are reserved and whose KV comes from a prefill
   group: prepare the receive, start decoding once the KV landed and the first token is known, fail them when it
   cannot come.
