@@ -1,13 +1,16 @@
 """The engine API over one or more engine cores: `EngineAPI`, the base of `Engine` and `DPEngine`.
 
 An engine is a list of ranks, each an `EngineCore` (scheduler + pages + requests, workers/core.py) with its
-`KVConnector` beside it (workers/kv/), an `OutputProcessor` (token ids -> cumulative outputs) over all of them, and something that executes
-every rank's batch. `Engine` (workers/engine.py) has one rank and an executor; `DPEngine` (workers/dp.py) one rank
+`KVConnector` beside it (workers/kv/), an `OutputProcessor` (token ids -> cumulative outputs) over all of them,
+and something that executes every rank's batch. `Engine` (workers/engine.py) has one rank and an executor; `DPEngine` (workers/dp.py) one rank
 per attention-dp rank over one worker group. A step is the same for both:
 
-    for every rank: poll its transfers; if none started a request, schedule a batch
+    for every rank: poll its transfers; if none started a request, schedule a batch; attach the rank's KV
+                    commands to it (or, with no batch but transfers pending, make a KV-only batch of them)
     execute every rank's batch at once               (`_execute`, the subclass's)
-    for every rank: update (token ids) -> outputs; send what the step handed off
+    for every rank: update (token ids) -> outputs; queue the sends of what the step handed off; read the KV
+                    events back (settled transfers, landed KV)
+The disaggregation surface (admissions, outcomes, KV-only steps) is `EngineKV`'s (workers/engine_kv.py).
 
 Outputs carry token ids, logprobs and finish reasons, no text: whoever shows text makes it (workers/text.py)
 and reports a stop string back with `stop_sample`.
