@@ -83,9 +83,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, *, num_pages: int, page_size: int, eos_token_ids: Sequence[int] = (),
                  vocab_size: int | None = None, role: str = "unified",
-                 grammars: LazyCompiler | None = None) -> None:
+                 grammars: LazyCompiler | None = None, seq_deltas: bool = True) -> None:
         """`grammars`: the engine's structured-output compiler (shared by its cores); None refuses constrained
-        requests."""
+        requests. `seq_deltas`: batches carry what changed per sequence (workers/batch_delta.py), for shards in
+        other processes; False (an in-process executor: nothing is pickled) sends the live tables as they are."""
         self.config = config
         self.grammars = grammars
         self.role = role
@@ -96,7 +97,7 @@ class EngineCore:
         self.requests = RequestTable(role)  # what the core keeps of each request beyond the scheduler's state
         # what the shards hold of each sequence's page table (and a penalty row's token ids): batches carry only
         # what changed (workers/batch_delta.py)
-        self.seq_delta = SeqDeltaEncoder()
+        self.seq_delta = SeqDeltaEncoder() if seq_deltas else None
         # steps scheduled and not yet updated, oldest first: one, or two while async scheduling runs one ahead
         self._steps: deque[_Step] = deque()
 
@@ -302,7 +303,8 @@ class EngineCore:
         step = self._take_scheduled()
         sched_out, batch = step.sched_out, step.batch
         self.requests.unrelease(batch.released_seq_ids)  # in case the shard never saw them
-        self.seq_delta.reset()  # nor this batch's delta: the next batch sends its lists whole
+        if self.seq_delta is not None:
+            self.seq_delta.reset()  # nor this batch's delta: the next batch sends its lists whole
         outputs = []
         for rid in dict.fromkeys(c.seq.request.request_id for c in sched_out.chunks):
             req = self.abort_request(rid, reason="error", failure_reason=failure_reason)

@@ -26,7 +26,7 @@ from pathlib import Path
 from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig, Role
 from workers.engine_api import EngineAPI, role_engine_config
-from workers.executor import ExecutorKind, make_executor
+from workers.executor import ExecutorKind, LocalExecutor, make_executor
 from workers.kv.config import TransferConfig
 from workers.kv.connector import KVTransferFailed
 from workers.runner import StepResult
@@ -54,7 +54,9 @@ class Engine(EngineAPI):
                 raise NotImplementedError(f"role: {role!r} needs shards with KV transfer agents "
                                           f"({type(self.executor).__name__} has none yet)")
             agents = make_agents(role, self.model_config.num_key_value_heads, self.transfer_config)
-        rank = self._add_rank(self.executor.info(), agents)
+        # an in-process shard takes the live page tables; one in another process, what changed (batch_delta.py)
+        rank = self._add_rank(self.executor.info(), agents,
+                              seq_deltas=not isinstance(self.executor, LocalExecutor))
         self.core, self.kv = rank.core, rank.kv
 
     @property

@@ -94,8 +94,9 @@ class EngineAPI(EngineKV):
         self._in_flight: tuple[StepBatch, object] | None = None
         self._parked: list[RequestOutput] = []  # outputs of a KV-only step run between steps (an abort's)
 
-    def _add_rank(self, info: dict, agents: Sequence = ()) -> Rank:
-        """A core over a pool of `info["num_pages"]` pages, and its connector over `agents`."""
+    def _add_rank(self, info: dict, agents: Sequence = (), *, seq_deltas: bool = True) -> Rank:
+        """A core over a pool of `info["num_pages"]` pages, and its connector over `agents`. `seq_deltas`: False
+        where the shard runs in this process (EngineCore)."""
         self.num_pages: int = info["num_pages"]  # per rank
         self.page_size: int = info["page_size"]
         if self.engine_config.async_scheduling is None:  # auto: on for a CUDA shard (EngineConfig)
@@ -103,7 +104,7 @@ class EngineAPI(EngineKV):
             self.engine_config = dataclasses.replace(self.engine_config, async_scheduling=on_cuda)
         core = EngineCore(self.engine_config, num_pages=self.num_pages, page_size=self.page_size,
                           eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, role=self.role,
-                          grammars=self.grammars)
+                          grammars=self.grammars, seq_deltas=seq_deltas)
         rank = Rank(core, make_connector(self.role, agents, self.transfer_config))
         self.ranks.append(rank)
         return rank

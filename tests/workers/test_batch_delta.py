@@ -263,3 +263,30 @@ def test_random_runs_resolve_the_tables_sending_everything_would(ops, prefix_cac
     holding = set(run.live) | set(run.parked) | set(run.released)
     assert all(run.mirror.table(s) == run.pm.page_table(s) for s in run.live)
     assert run.enc.tracked() <= holding and run.mirror.seq_ids() <= holding  # ended sequences are forgotten
+
+
+def test_an_in_process_engine_sends_the_live_tables(tiny_ckpt):
+    """Deltas are for shards in other processes: the in-process executor's batches carry the live page tables
+    (nothing is pickled, so encoding and resolving would be pure cost), and greedy tokens are the same."""
+    from workers.config import EngineConfig
+    from workers.engine import Engine
+    from workers.executor import LocalExecutor
+    from workers.request import SamplingParams
+
+    seen = []
+
+    class Spy(LocalExecutor):
+        def execute(self, batch):
+            seen.append(batch.seq_delta)
+            return super().execute(batch)
+
+    cfg = EngineConfig(num_pages=32)
+    eng = Engine(tiny_ckpt, engine_config=cfg, executor=Spy(tiny_ckpt, engine_config=cfg, device="cpu"))
+    try:
+        assert eng.core.seq_delta is None
+        eng.add_request("r", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        assert seen and all(d is None for d in seen)
+    finally:
+        eng.shutdown()

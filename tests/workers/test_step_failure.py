@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from workers.batch_delta import SeqDeltaEncoder
 from workers.engine import Engine
 from workers.request import SamplingParams, StepFailedError
 
@@ -80,12 +81,16 @@ def test_an_out_of_memory_step_fails_only_its_requests_and_the_engine_serves_on(
     want.update(run(undisturbed))
 
     engine = make_llm(**cfg).engine
+    # batches with per-sequence deltas, as for a shard in another process (the in-process executor gets live
+    # tables): a failed step must leave the shard's mirror in step (the delta reset)
+    engine.core.seq_delta = SeqDeltaEncoder()
     # step 1: a's prompt (20) + b's first 12 tokens; step 2, failed: b's next 31 tokens + a's first decode row
     engine.executor = FailingExecutor(engine.executor, prefill_from(12), oom(), ran_first=ran_first)
     submit(engine)
     got = run(engine)
     (batch,) = engine.executor.failed
     assert len(batch.chunks) == 2 and batch.chunks[1].is_decode  # b's chunk and a's decode row
+    assert batch.seq_delta is not None
     for name in ("a", "b"):
         out = got[name]
         assert isinstance(out.error, StepFailedError) and out.error.out_of_memory
