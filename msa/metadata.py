@@ -43,6 +43,10 @@ class AttentionMetadata:
     num_prefill_requests: requests [0, num_prefill_requests) own those rows (prefill chunks come first).
     max_prefill_len: the longest prefill chunk's token count (host int: the prefill kernels' grids).
     logits_indices [N] int64: rows whose logits are wanted (last token per chunk, all tokens with all_logits).
+    moe_group_tokens: the token count the capacity MoE dispatch sizes its buffers from (host int, the same on
+    every rank of an ep group; msa/moe.py). None: this step's own T, which is right whenever the ep group's
+    ranks run steps of one size (tp / ep inside one dp rank, or dp ranks padded to one bucket); dp ranks in
+    lockstep running eager steps of different sizes set the largest of them.
     """
 
     positions: torch.Tensor
@@ -57,6 +61,7 @@ class AttentionMetadata:
     max_context_len: int
     num_prefill_requests: int = 0
     max_prefill_len: int = 0
+    moe_group_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -39,6 +39,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(h, residual)
         x = self.self_attn(x, cos, sin, meta, kv)
         x, residual = self.post_attention_layernorm(x, residual)
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x, meta.moe_group_tokens), residual
         return self.mlp(x), residual
 
 

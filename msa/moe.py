@@ -11,7 +11,9 @@ Routed experts:
           combines them with the routing weights. The tp all-reduce that sums the shared expert's partials
           also puts the tp ranks' token slices back together. `ctx.moe_dispatch = "allreduce"` replaces the
           two all-to-alls by an all-gather of the token slices and an all-reduce of the experts' partial sums
-          (the first version, kept for comparison).
+          (the first version, kept for comparison). `ctx.moe_dispatch = "capacity"` sends fixed-capacity
+          buffers instead (`capacity_rows`): no split size is read on the host, so the forward can be captured
+          in a CUDA graph (docs/parallelism.md, "Capacity dispatch").
 The local experts run through `kernels.fused_moe.fused_moe` in both cases: on CUDA one grouped-GEMM kernel
 chain with no host sync (the ep = 1 block is CUDA-graph capturable), on CPU the torch loop it is tested against.
 """
@@ -29,7 +31,8 @@ from msa.config import M3Config
 from msa.layers import swiglu_oai_packed
 from msa.linear import (ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read,
                         replicated_loader)
-from msa.parallel import ParallelContext, all_gather_varlen, all_reduce, all_to_all, all_to_all_counts
+from msa.parallel import (ParallelContext, all_gather_varlen, all_reduce, all_to_all, all_to_all_counts,
+                          all_to_all_equal)
 
 
 class DenseMLP(nn.Module):
@@ -140,11 +143,27 @@ class Experts(nn.Module):
         return fused_moe(x, ids, weights, self.gate_up_proj, self.down_proj, alpha=self.alpha, limit=self.limit,
                          expert_start=self.experts.start, config=self.config, backend=self.backend)
 
-    def forward_rows(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """rows [n, H], each for local expert local_ids[n] (any order) -> unweighted outputs [n, H], same order."""
+    def forward_rows(self, rows: torch.Tensor, local_ids: torch.Tensor, *, sync_free: bool = False) -> torch.Tensor:
+        """rows [n, H], each for local expert local_ids[n] (any order) -> unweighted outputs [n, H], same order.
+        A row whose id is not a local expert (the capacity dispatch's padding rows carry -1) gets zeros.
+
+        sync_free: never read the device on the host. The fused kernel on CUDA already does not; elsewhere (or
+        with backend "ref") the torch loop reads how many rows each expert got, so then every local expert
+        runs over every row and keeps its own rows (E_local times the work: the CPU tier's price for checking
+        the capturable path)."""
         ones = torch.ones((rows.shape[0], 1), dtype=torch.float32, device=rows.device)
+        if sync_free and not (rows.is_cuda and self.backend != "ref"):
+            return self._masked_rows(rows, local_ids)
         return fused_moe(rows, local_ids.view(-1, 1), ones, self.gate_up_proj, self.down_proj, alpha=self.alpha,
                          limit=self.limit, expert_start=0, config=self.config, backend=self.backend)
+
+    def _masked_rows(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(rows)
+        for e in range(self.gate_up_proj.shape[0]):
+            y = F.linear(swiglu_oai_packed(F.linear(rows, self.gate_up_proj[e]), self.alpha, self.limit),
+                         self.down_proj[e])
+            out = torch.where((local_ids == e)[:, None], y, out)
+        return out
 
 
 class SparseMoE(nn.Module):
@@ -164,7 +183,10 @@ class SparseMoE(nn.Module):
         self.sent_pairs = [0] * ctx.ep_size
         self.received_pairs = [0] * ctx.ep_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, group_tokens: int | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]. group_tokens (capacity dispatch only): the token count every rank of the ep group
+        sizes its buffers from, the same on all of them (None: T, which the ranks share unless dp ranks in
+        lockstep run steps of different sizes: then the caller passes the largest, see `capacity_rows`)."""
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.ctx.ep_size == 1:
             ids, weights = self.gate(x)
@@ -175,6 +197,8 @@ class SparseMoE(nn.Module):
         mine = x[first:first + count]
         if self.ctx.moe_dispatch == "alltoall":
             routed = self._alltoall(mine)
+        elif self.ctx.moe_dispatch == "capacity":
+            routed = self._capacity(mine, x.shape[0] if group_tokens is None else group_tokens)
         else:
             routed = self._gather_allreduce(mine)
         if self.ctx.tp_size == 1:
@@ -209,6 +233,36 @@ class SparseMoE(nn.Module):
         self._log(send_splits, recv_splits)
         return out
 
+    def _capacity(self, x: torch.Tensor, group_tokens: int) -> torch.Tensor:
+        """x [t, H] (this rank's tokens) -> routed output [t, H], with no host read of a device value.
+
+        Every rank sends every ep peer a buffer of `capacity_rows(...)` rows (a bound no routing can exceed, so
+        nothing is dropped) and a side tensor of each row's local expert id (-1: padding). Pair p = (token
+        p // k, slot p % k) goes to row `slot_of_pair[p]` of its owner's buffer: its rank among the pairs this
+        rank sends to that owner, in pair order (a cumulative sum, on the device). The receiver runs its experts
+        on all ep * capacity rows (padding rows give zeros and are never read), the reverse all-to-all brings
+        each row back to the same place in the sender's buffer, and the sender reads its pairs from there."""
+        ep, per = self.ctx.ep_size, len(self.experts.experts)
+        ids, weights = self.gate(x)
+        t, k = ids.shape
+        cap = capacity_rows(group_tokens, k, self.ctx, per)
+        flat = ids.reshape(-1)
+        owner = torch.div(flat, per, rounding_mode="floor")
+        # one-hot of each pair's owner (no F.one_hot: it checks its input's range on the host)
+        to_owner = (owner[:, None] == torch.arange(ep, device=x.device)).to(torch.int64)
+        rank_in_owner = (to_owner.cumsum(0) * to_owner).sum(1) - 1
+        slot_of_pair = owner * cap + rank_in_owner  # row of the flattened [ep * cap] send buffer
+        rows = x.new_zeros((ep * cap, x.shape[1]))
+        rows.index_copy_(0, slot_of_pair, x.repeat_interleave(k, dim=0))
+        local = torch.full((ep * cap,), -1, dtype=torch.int64, device=x.device)
+        local.index_copy_(0, slot_of_pair, flat - owner * per)
+        received = all_to_all_equal(rows, self.ctx, "ep")  # [source rank's cap rows] * ep
+        received_ids = all_to_all_equal(local, self.ctx, "ep")
+        outputs = self.experts.forward_rows(received, received_ids, sync_free=True)
+        returned = all_to_all_equal(outputs, self.ctx, "ep")  # each row back where its sender put it
+        per_pair = returned.index_select(0, slot_of_pair).view(t, k, x.shape[1])
+        return (per_pair * weights[:, :, None].to(x.dtype)).sum(1)
+
     def _gather_allreduce(self, x: torch.Tensor) -> torch.Tensor:
         """x [t, H] -> routed output [t, H]: every rank runs its experts on the whole ep group's tokens."""
         everyone, counts = all_gather_varlen(x, self.ctx, "ep")
@@ -223,4 +277,13 @@ class SparseMoE(nn.Module):
             self.received_pairs[r] += received[r]
 
 
-__all__ = ["DenseMLP", "Router", "Experts", "SparseMoE"]
+def capacity_rows(group_tokens: int, top_k: int, ctx: ParallelContext, experts_per_rank: int) -> int:
+    """Rows of the capacity dispatch's buffer for each ep peer: the most (token, expert) pairs one rank can
+    send to one peer. A rank routes at most ceil(group_tokens / tp) tokens (its `moe_token_slice`), and a
+    token's top-k experts are distinct, so at most min(top_k, experts_per_rank) of them live on one peer.
+    A worst-case bound from the shapes alone, the same on every rank of the ep group when `group_tokens` is."""
+    tokens = -(-group_tokens // ctx.tp_size) if ctx.tp_size > 1 else group_tokens
+    return max(tokens * min(top_k, experts_per_rank), 1)
+
+
+__all__ = ["DenseMLP", "Router", "Experts", "SparseMoE", "capacity_rows"]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-MOE_DISPATCH_MODES = ("alltoall", "allreduce")
+MOE_DISPATCH_MODES = ("alltoall", "allreduce", "capacity")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,8 @@ class ParallelContext:
 
     moe_dispatch (ep > 1 only): "alltoall" sends each token to the ranks owning its experts and back;
     "allreduce" gathers every token of the ep group on every rank, runs the local experts on all of them and
-    sums the partial outputs with one all-reduce (the first version, kept for comparison).
+    sums the partial outputs with one all-reduce (the first version, kept for comparison); "capacity" is the
+    all-to-all with fixed-size buffers and no host read (capturable in a CUDA graph; msa/moe.py).
     """
 
     tp_size: int = 1
@@ -294,6 +295,20 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
     return out
 
 
+def all_to_all_equal(x: torch.Tensor, ctx: ParallelContext, axis: str = "ep") -> torch.Tensor:
+    """x [size * n, ...] -> [size * n, ...]: rows [r n, (r + 1) n) go to rank r, and the result holds rank r's
+    block for this rank at rows [r n, (r + 1) n). Equal splits: no split size on the host, so it can be
+    captured in a CUDA graph (NCCL) as long as every rank passes the same shape."""
+    size, group = _group(ctx, axis)
+    if size == 1:
+        return x
+    import torch.distributed as dist
+
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
 def broadcast(x: torch.Tensor, ctx: ParallelContext, src_rank: int = 0, axis: str = "tp") -> torch.Tensor:
     """Copy rank `src_rank`'s `x` (group-local rank) to every rank of `axis`."""
     size, group = _group(ctx, axis)
@@ -322,4 +337,5 @@ def dp_token_counts(num_tokens: int, ctx: ParallelContext, device: torch.device 
 
 __all__ = ["ParallelContext", "RankLayout", "MOE_DISPATCH_MODES", "init_parallel", "destroy_parallel",
            "all_reduce", "all_gather", "all_gather_counts", "all_gather_varlen", "all_to_all_counts", "all_to_all",
+           "all_to_all_equal",
            "broadcast", "barrier", "dp_token_counts"]
