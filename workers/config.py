@@ -49,11 +49,16 @@ class EngineConfig:
     admission_watermark: float = 0.01  # fraction of pages kept free when admitting new requests
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0
-    # CUDA graphs for pure-decode steps (workers/cuda_graph.py), captured at startup on CUDA with tp = ep = 1.
+    # CUDA graphs for pure-decode steps (workers/cuda_graph.py), captured at startup on CUDA (tp = 1, and ep = 1
+    # or the capacity MoE dispatch, unless cuda_graph_tp).
     # enforce_eager: never capture (every step eager, like vLLM's flag). cuda_graph_batch_sizes: the padded batch
     # sizes captured, ascending; None = 1, 2, 4, 8, 16, 24, 32, 48, 64, ... up to min(max_num_seqs, 512).
     enforce_eager: bool = False
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # cuda_graph_tp: also capture where tp > 1 (the graphs then hold NCCL all-reduces). Off until graph replay
+    # equals eager on 2 GPUs (issue 24; tests/workers/test_cuda_graph_multigpu.py). ep > 1 captures only with
+    # the capacity MoE dispatch (no host read in the forward), and with tp > 1 needs this flag too.
+    cuda_graph_tp: bool = False
     # attention and indexer kernels: "auto" = Triton on CUDA, the torch references on CPU; "triton" forces the
     # kernels (on CPU through the Triton interpreter: TRITON_INTERPRET=1 before triton is imported; tests),
     # "ref" the torch references (a check on a GPU; never for serving: they allocate [T, heads, context])

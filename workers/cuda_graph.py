@@ -38,9 +38,14 @@ from free memory; at startup both are paid once, timed and logged, and a capture
 before it takes traffic.
 
 Eligibility (`graph_skip_reason`, `is_graph_step`): a CUDA device, `enforce_eager` off, no host sync in the
-forward (ep > 1 reads the all-to-all split sizes on the host: never captured; tp > 1 would capture NCCL
-all-reduces, not validated yet: off), and a step made only of single-token decode rows that all sample, no
-more than the largest bucket. Idle forwards of lockstep dp ranks stay eager (they need ep > 1 anyway).
+forward (ep > 1 only with the capacity MoE dispatch: the exact-split all-to-all reads its split sizes on the
+host; tp > 1 captures NCCL all-reduces, not validated on 2 GPUs yet: only with `cuda_graph_tp`), and a step
+made only of single-token decode rows that all sample, no more than the largest bucket.
+
+Attention-DP (dp ranks in lockstep over one ep group): the ep group's all-to-alls need every rank to run the
+same shapes, so every dp rank runs the same bucket or none does (`plan_dp_step`: the group's largest step
+picks it; a rank with fewer rows, or none, pads up to it: `prepare(..., bucket=)`). Padded rows never reach a
+real row (see above), so each rank's tokens equal its unpadded run's.
 """
 from __future__ import annotations
 
@@ -87,17 +92,36 @@ def pick_bucket(sizes: Sequence[int], n: int) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graph_skip_reason(config: EngineConfig, device: torch.device, *, tp_size: int, ep_size: int) -> str | None:
+def graph_skip_reason(config: EngineConfig, device: torch.device, *, tp_size: int, ep_size: int,
+                      moe_dispatch: str = "alltoall") -> str | None:
     """Why this shard runs every step eagerly, or None when it captures decode graphs."""
     if config.enforce_eager:
         return "enforce_eager is set"
     if device.type != "cuda":
         return f"device {device} is not CUDA"
-    if ep_size > 1:
-        return "ep > 1: the all-to-all dispatch reads its split sizes on the host (a sync a graph cannot hold)"
-    if tp_size > 1:
-        return "tp > 1: NCCL all-reduce under graph capture is not validated here yet"
+    if ep_size > 1 and moe_dispatch != "capacity":
+        return (f"ep > 1: the {moe_dispatch!r} MoE dispatch reads its split sizes on the host (a sync a graph "
+                f"cannot hold); moe_dispatch 'capacity' does not")
+    if tp_size > 1 and not config.cuda_graph_tp:
+        return "tp > 1: NCCL all-reduce under graph capture is not validated on 2 GPUs yet (cuda_graph_tp)"
     return None
+
+
+def plan_dp_step(per_rank: Sequence[tuple[int, int | None]], sizes: Sequence[int] | None
+                 ) -> tuple[int, int | None]:
+    """One lockstep step of the dp ranks of an ep group -> (the token count the capacity MoE dispatch sizes its
+    buffers from, the bucket every rank replays or None for an eager step on every rank).
+
+    per_rank: each dp rank's (tokens this step, decode rows if its step can replay a graph else None); an idle
+    rank is (0, 0). sizes: the captured buckets (None: no graphs). Pure: every rank computes the same plan from
+    the same exchanged counts. A graph step needs every rank's step to be a graph step (or idle) and the
+    largest to fit a bucket; the buffers are then sized from the bucket (what the graph was captured with)."""
+    tokens = max((t for t, _ in per_rank), default=0)
+    rows = [r for _, r in per_rank]
+    if sizes is None or any(r is None for r in rows) or max(rows, default=0) == 0:
+        return tokens, None
+    bucket = pick_bucket(sizes, max(rows))
+    return (tokens, None) if bucket is None else (bucket, bucket)
 
 
 def is_graph_step(batch: StepBatch, max_batch: int) -> bool:
@@ -128,11 +152,14 @@ def fill_decode_inputs(buf: torch.Tensor, chunks: Sequence[ChunkSpec], input_ids
     page tables [bucket, W] row-major. Row r < B: chunks[r]'s token input_ids[r] at position start, its slot
     page_table[start // page_size] * page_size + start % page_size, context length start + 1, its page ids then
     zeros. Padded rows: id 0, position 0, slot -1 (not written), context length 1, a table of zeros (page 0).
+    B may be 0 (every row padding: an idle dp rank joining its group's bucket).
     """
     n = len(chunks)
-    if not 0 < n <= bucket or len(input_ids) != n:
+    if not 0 <= n <= bucket or bucket < 1 or len(input_ids) != n:
         raise ValueError(f"fill_decode_inputs: {n} rows and {len(input_ids)} ids for a bucket of {bucket}")
-    width = max(len(c.page_table) for c in chunks)
+    # at least one column, so padded rows' page 0 is written even in an all-padding step (a lockstep dp rank
+    # with no rows)
+    width = max((len(c.page_table) for c in chunks), default=1)
     if width > max_pages:
         raise ValueError(f"fill_decode_inputs: a page table of {width} pages exceeds the captured width "
                          f"{max_pages} (max_model_len)")
@@ -246,11 +273,15 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int | None:
         return pick_bucket(self.sizes, n)
 
-    def prepare(self, chunks: Sequence[ChunkSpec], input_ids: Sequence[int]) -> int:
-        """Fill the static buffers with a decode step padded to its bucket; returns the bucket."""
-        b = self.bucket(len(chunks))
+    def prepare(self, chunks: Sequence[ChunkSpec], input_ids: Sequence[int], bucket: int | None = None) -> int:
+        """Fill the static buffers with a decode step padded to its bucket (or to `bucket`, one of `sizes`
+        holding the rows: a lockstep dp group's, `plan_dp_step`); returns the bucket."""
+        b = self.bucket(len(chunks)) if bucket is None else bucket
         if b is None:
             raise ValueError(f"DecodeGraphs: {len(chunks)} rows exceed the largest bucket {self.max_batch}")
+        if b not in self.sizes or b < len(chunks):
+            raise ValueError(f"DecodeGraphs: bucket {b} is not a captured size holding {len(chunks)} rows "
+                             f"(sizes {list(self.sizes)})")
         if self._copied is not None:
             # the previous step's copy out of the pinned staging buffer must be done before it is overwritten
             # (the runner synchronises every step, so this returns at once)
@@ -316,5 +347,6 @@ class DecodeGraphs:
 
 
 __all__ = ["DEFAULT_MAX_CAPTURE", "default_batch_sizes", "capture_sizes", "pick_bucket", "graph_skip_reason",
+           "plan_dp_step",
            "is_graph_step", "packed_len", "fill_decode_inputs", "StaticInputs", "load_decode_inputs",
            "DecodeGraphs"]

@@ -7,8 +7,12 @@ engine reads. A dp rank without work still runs an empty forward when its MoE co
 (`ctx.dp_ranks_in_lockstep`), so no peer waits forever.
 
 Pure-decode steps replay a CUDA graph of their padded batch size where the shard can capture them
-(workers/cuda_graph.py: CUDA, tp = ep = 1, `enforce_eager` off); the graphs are captured here at startup, after
-the KV pool is allocated, and the capture time is logged. Every other step runs eagerly.
+(workers/cuda_graph.py: CUDA, tp = 1 unless `cuda_graph_tp`, ep = 1 unless the capacity MoE dispatch,
+`enforce_eager` off); the graphs are captured here at startup, after the KV pool is allocated, and the capture
+time is logged. Every other step runs eagerly. Lockstep dp ranks with the capacity dispatch first exchange
+their step sizes over the dp group (one small collective and host read per step, outside any graph): every
+rank then replays the same bucket, padding up to it, or runs eagerly with buffers sized for the largest step
+(`plan_dp_step`).
 
 Memory (workers/memory.py): on CUDA the KV pool is sized after a profile step of `max_num_batched_tokens` prompt
 tokens, so the activations of the largest step stay free; a step that still runs out of memory raises
@@ -30,11 +34,11 @@ from msa.config import M3Config, load_config
 from msa.kv_cache import KVCache
 from msa.metadata import Stager, build_metadata, host_metadata
 from msa.model import load_model
-from msa.parallel import ParallelContext
+from msa.parallel import ParallelContext, all_gather
 from workers.batch import StepBatch, logits_row_of_chunk, resolve_batch, rows_token_bitmask
 from workers.batch_delta import SeqMirror
 from workers.config import EngineConfig
-from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step
+from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step, plan_dp_step
 from workers.memory import (StepOutOfMemoryError, check_pool_holds_max_model_len, describe, graph_reserve_bytes,
                             measure_profile, pages_from_profile, release_cached_memory)
 from workers.sampler import (Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator,
@@ -79,7 +83,8 @@ def kv_pool_pages(config: M3Config, engine_config: EngineConfig, device: torch.d
     reserve = 0
     if device.type == "cuda":
         profile = measure_profile(model, config, engine_config, device=device, dtype=dtype, ctx=ctx)
-        graphs = graph_skip_reason(engine_config, device, tp_size=ctx.tp_size, ep_size=ctx.ep_size) is None
+        graphs = graph_skip_reason(engine_config, device, tp_size=ctx.tp_size, ep_size=ctx.ep_size,
+                                   moe_dispatch=ctx.moe_dispatch) is None
         reserve = graph_reserve_bytes(profile.peaks, capture_sizes(engine_config)[-1] if graphs else None)
         util = engine_config.gpu_memory_utilization
         pages = pages_from_profile(profile, utilization=util, bytes_per_page=per_page, graph_reserve=reserve)
@@ -227,7 +232,8 @@ class ModelRunner:
     def _capture_graphs(self, engine_config: EngineConfig) -> DecodeGraphs | None:
         """Decode graphs for every bucket, captured now (workers/cuda_graph.py says why at startup), or None
         where this shard cannot hold a forward in a graph."""
-        skip = graph_skip_reason(engine_config, self.device, tp_size=self.ctx.tp_size, ep_size=self.ctx.ep_size)
+        skip = graph_skip_reason(engine_config, self.device, tp_size=self.ctx.tp_size, ep_size=self.ctx.ep_size,
+                                 moe_dispatch=self.ctx.moe_dispatch)
         if skip is not None:
             logger.info("rank %d: decode steps run eagerly: %s", self.ctx.world_rank, skip)
             return None
@@ -279,19 +285,24 @@ class ModelRunner:
         for sid in batch.released_seq_ids:
             self._generators.pop(sid, None)
         batch = resolve_batch(batch, self.seq_mirror)
+        graph = self.graphs is not None and is_graph_step(batch, self.graphs.max_batch)
+        group_tokens = bucket = None
+        if self.ctx.dp_ranks_in_lockstep and self.ctx.moe_dispatch == "capacity":
+            group_tokens, bucket = self._plan_dp_step(batch, graph)
+            graph = bucket is not None
         if not batch.chunks:
             self._last_sampled = None
-            return StepHandle.done(self._idle_step())
+            return StepHandle.done(self._idle_step(group_tokens, bucket))
         t0 = time.perf_counter()
-        if self.graphs is not None and is_graph_step(batch, self.graphs.max_batch):
+        if graph:
             # one row per decode chunk, every row sampled in chunk order: the graph's logits rows are the rows
-            bucket = self.graphs.prepare(batch.chunks, batch.input_ids)
+            bucket = self.graphs.prepare(batch.chunks, batch.input_ids, bucket=bucket)
             if batch.deferred_positions:
                 self._fill_deferred(self.graphs.static.input_ids(bucket), batch)
             logits, plp_rows = self.graphs.replay(bucket)[:len(batch.chunks)], []
             self.num_graph_steps += 1
         else:
-            logits, plp_rows = self._eager_logits(batch)
+            logits, plp_rows = self._eager_logits(batch, group_tokens)
         sampled = None
         self._last_sampled = None
         if self.samples and batch.rows:
@@ -313,7 +324,17 @@ class ModelRunner:
         pos, rows = self._stager.stage([(batch.deferred_positions, torch.int64), (batch.deferred_rows, torch.int64)])
         input_ids[pos] = prev[rows]
 
-    def _eager_logits(self, batch: StepBatch) -> tuple[torch.Tensor | None, list[int]]:
+    def _plan_dp_step(self, batch: StepBatch, graph: bool) -> tuple[int, int | None]:
+        """Lockstep dp ranks with the capacity MoE dispatch: exchange (tokens, graph rows or -1) over the dp
+        group and plan the step every rank runs (`plan_dp_step`): the same bucket everywhere, or eager with
+        the MoE buffers sized for the largest step."""
+        rows = len(batch.chunks) if graph or not batch.chunks else -1
+        mine = torch.tensor([[batch.num_tokens, rows]], dtype=torch.int64, device=self.device)
+        per_rank = [(t, None if r < 0 else r) for t, r in all_gather(mine, self.ctx, dim=0, axis="dp").tolist()]
+        return plan_dp_step(per_rank, self.graphs.sizes if self.graphs is not None else None)
+
+    def _eager_logits(self, batch: StepBatch, group_tokens: int | None = None
+                      ) -> tuple[torch.Tensor | None, list[int]]:
         """The step's forward run eagerly -> (logits [sampled rows + prompt-logprob targets, vocab] fp32 or None,
         the first logits row of each prompt-logprob chunk). The step's inputs reach the device in one staged copy
         that never waits for the GPU (msa.metadata.Stager)."""
@@ -330,18 +351,23 @@ class ModelRunner:
                                                                        (rows, torch.int64)])
         if batch.deferred_positions:
             self._fill_deferred(input_ids, batch)
+        if group_tokens is not None:
+            meta = dataclasses.replace(meta, moe_group_tokens=group_tokens)
         hidden = self.model(input_ids, meta, self.kv)
         logits = self.model.compute_logits(hidden[rows_t]) if want else None
         return logits, plp_rows
 
-    def _idle_step(self) -> StepResult:
+    def _idle_step(self, group_tokens: int | None = None, bucket: int | None = None) -> StepResult:
         """No work for this dp rank this step: run an empty forward only if peers in other dp ranks need this
-        rank in their MoE collectives."""
+        rank in their MoE collectives (a bucket of padding rows when they replay a graph)."""
         if not self.ctx.dp_ranks_in_lockstep:
             return StepResult(token_ids=[], logprobs=[], forward_time=0.0, sample_time=0.0, prompt_logprobs=[])
         t0 = time.perf_counter()
-        meta = build_metadata([], self.page_size, self.device)
-        self.model(torch.empty(0, dtype=torch.int64, device=self.device), meta, self.kv)
+        if bucket is not None:
+            self.graphs.replay(self.graphs.prepare([], [], bucket=bucket))
+        else:
+            meta = dataclasses.replace(build_metadata([], self.page_size, self.device), moe_group_tokens=group_tokens)
+            self.model(torch.empty(0, dtype=torch.int64, device=self.device), meta, self.kv)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.num_idle_forwards += 1

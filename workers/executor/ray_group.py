@@ -20,6 +20,7 @@ from pathlib import Path
 
 import ray
 
+from msa.parallel import MOE_DISPATCH_MODES
 from workers.batch import StepBatch
 from workers.config import EngineConfig, ParallelConfig
 from workers.executor.base import GroupError, cause_of
@@ -45,7 +46,8 @@ class GroupOptions:
     strategy; None = STRICT_PACK (every shard on one node) when some node can hold the whole group, else PACK.
     placement_timeout_s: how long to wait for the cluster to grant the bundles. start_timeout_s: how long the
     ranks may take to join the process group and load their weights. collective_timeout_s: the process
-    groups' timeout (a collective stuck longer fails). moe_dispatch: "alltoall" | "allreduce" (ep > 1).
+    groups' timeout (a collective stuck longer fails). moe_dispatch: "alltoall" | "allreduce" | "capacity" (ep > 1;
+    msa/moe.py: "capacity" is the all-to-all a CUDA graph can hold).
     dispatch: how a step reaches the ranks. "compiled" (default): a Ray Compiled Graph over every rank,
     compiled once at start; a step writes each dp rank's batch into shared-memory channels (measured ~0.2 ms
     for two ranks on CPU vs ~1.5 ms for plain calls). "rpc": one plain actor call per rank per step; a rank
@@ -71,8 +73,8 @@ class GroupOptions:
         for name in ("placement_timeout_s", "start_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
-        if self.moe_dispatch not in ("alltoall", "allreduce"):
-            raise ValueError(f"moe_dispatch: {self.moe_dispatch!r} is not one of ('alltoall', 'allreduce')")
+        if self.moe_dispatch not in MOE_DISPATCH_MODES:
+            raise ValueError(f"moe_dispatch: {self.moe_dispatch!r} is not one of {MOE_DISPATCH_MODES}")
 
 
 def _fits_one_node(bundles: list[dict[str, float]]) -> bool:
