@@ -81,14 +81,33 @@ def test_graph_skip_reason_covers_every_layout_rule():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     on = EngineConfig()
 
-    def why(cfg=on, device=cuda, tp=1, ep=1):
-        return cg.graph_skip_reason(cfg, device, tp_size=tp, ep_size=ep)
+    def why(cfg=on, device=cuda, tp=1, ep=1, dispatch="alltoall"):
+        return cg.graph_skip_reason(cfg, device, tp_size=tp, ep_size=ep, moe_dispatch=dispatch)
 
     assert why() is None
     assert "enforce_eager" in why(EngineConfig(enforce_eager=True))
     assert "not CUDA" in why(device=cpu)
-    assert "ep > 1" in why(tp=2, ep=2) and "ep > 1" in why(ep=2)  # the all-to-all syncs the host
-    assert "tp > 1" in why(tp=2)
+    # the exact-split all-to-all (and the all-reduce dispatch) read split sizes on the host; capacity does not
+    assert "ep > 1" in why(tp=2, ep=2) and "ep > 1" in why(ep=2) and "ep > 1" in why(ep=2, dispatch="allreduce")
+    assert why(ep=2, dispatch="capacity") is None
+    # tp > 1 (NCCL all-reduce in a graph) only behind the flag, off by default
+    assert "tp > 1" in why(tp=2) and "tp > 1" in why(tp=2, ep=2, dispatch="capacity")
+    assert EngineConfig().cuda_graph_tp is False
+    tp_on = EngineConfig(cuda_graph_tp=True)
+    assert why(tp_on, tp=2) is None and why(tp_on, tp=2, ep=2, dispatch="capacity") is None
+    assert "ep > 1" in why(tp_on, tp=2, ep=2)
+
+
+def test_plan_dp_step_pads_every_rank_to_one_bucket_or_none():
+    sizes = (1, 2, 4, 8)
+    # graph steps everywhere: the largest rank's rows pick the bucket, idle ranks (0 rows) join it
+    assert cg.plan_dp_step([(3, 3), (1, 1)], sizes) == (4, 4)
+    assert cg.plan_dp_step([(0, 0), (5, 5)], sizes) == (8, 8)
+    # one rank's step cannot replay (a prefill chunk): every rank eager, buffers sized for the largest step
+    assert cg.plan_dp_step([(40, None), (2, 2)], sizes) == (40, None)
+    assert cg.plan_dp_step([(2, 2), (0, 0)], None) == (2, None)  # no graphs captured
+    assert cg.plan_dp_step([(9, 9), (1, 1)], sizes) == (9, None)  # past the largest bucket
+    assert cg.plan_dp_step([(0, 0), (0, 0)], sizes) == (0, None)
 
 
 def _batch(chunks, *, sample=None, plp=()):
@@ -163,6 +182,15 @@ def test_filled_static_buffers_equal_build_metadata_on_real_rows_and_pad_the_res
     assert meta.slot_mapping[pad].eq(-1).all() and meta.context_lens[pad].eq(1).all()
     assert meta.page_tables[pad, :width].eq(0).all()
     assert meta.row_seq.tolist() == list(range(bucket)) and meta.query_start_loc.tolist() == list(range(bucket + 1))
+
+
+def test_fill_decode_inputs_pads_a_rank_with_no_rows():
+    # an idle lockstep dp rank replays its group's bucket with padding only: page 0, slot -1, context 1
+    buf = torch.full((cg.packed_len(4, 3),), 99, dtype=torch.int64)
+    assert cg.fill_decode_inputs(buf, [], [], 4, PS, 3) == 1
+    ids, pos, slots, ctx_lens, table = buf[:4], buf[4:8], buf[8:12], buf[12:16], buf[16:20]
+    assert ids.eq(0).all() and pos.eq(0).all() and slots.eq(-1).all() and ctx_lens.eq(1).all()
+    assert table.eq(0).all()
 
 
 def test_fill_decode_inputs_rejects_what_no_bucket_holds():
