@@ -198,7 +198,7 @@ class SparseMoE(nn.Module):
         if self.ctx.moe_dispatch == "alltoall":
             routed = self._alltoall(mine)
         elif self.ctx.moe_dispatch == "capacity":
-            routed = self._capacity(mine, x.shape[0] if group_tokens is None else group_tokens)
+            routed = self.routed_capacity(mine, x.shape[0] if group_tokens is None else group_tokens)
         else:
             routed = self._gather_allreduce(mine)
         if self.ctx.tp_size == 1:
@@ -233,8 +233,10 @@ class SparseMoE(nn.Module):
         self._log(send_splits, recv_splits)
         return out
 
-    def _capacity(self, x: torch.Tensor, group_tokens: int) -> torch.Tensor:
+    def routed_capacity(self, x: torch.Tensor, group_tokens: int) -> torch.Tensor:
         """x [t, H] (this rank's tokens) -> routed output [t, H], with no host read of a device value.
+        The capacity dispatch's routed half (`forward` adds the shared expert and the tp all-reduce); at ep = 1
+        it runs the same code over one rank, which is how one GPU checks its capture.
 
         Every rank sends every ep peer a buffer of `capacity_rows(...)` rows (a bound no routing can exceed, so
         nothing is dropped) and a side tensor of each row's local expert id (-1: padding). Pair p = (token

@@ -30,8 +30,12 @@ CASES = {
     "tp4-ep4": (4, 4, 1),
     "dp2-ep2": (1, 2, 2),
     "tp2-dp2-ep4": (2, 4, 2),
+    "tp2-ep2-capacity": (2, 2, 1),
+    "dp2-ep2-capacity": (1, 2, 2),
 }
 RPC_CASES = {"tp2-ep2", "dp2-ep2"}  # steps as plain actor calls; the others through the compiled graph
+# the capacity MoE dispatch (msa/moe.py): lockstep dp ranks exchange their step sizes in the runner first
+CAPACITY_CASES = {"tp2-ep2-capacity", "dp2-ep2-capacity"}
 PROMPT_LENS = (90, 23, 41, 5, 64)
 MAX_TOKENS = (8, 3, 8, 3, 6)
 TOL = 1e-4
@@ -214,7 +218,8 @@ def drive(ckpt: str, tmp: Path) -> dict:
         for name, (tp, ep, dp) in CASES.items():
             t = time.monotonic()
             options = GroupOptions(num_cpus_per_shard=1, placement_timeout_s=120,
-                                   dispatch="rpc" if name in RPC_CASES else "compiled")
+                                   dispatch="rpc" if name in RPC_CASES else "compiled",
+                                   moe_dispatch="capacity" if name in CAPACITY_CASES else "alltoall")
             if name == "tp2":  # the offline API path
                 llm = LLM(ckpt, tp=tp, ep=ep, dp=dp, executor=options, **engine_fields)
                 engine = llm.engine
