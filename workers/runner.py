@@ -365,6 +365,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         if bucket is not None:
             self.graphs.replay(self.graphs.prepare([], [], bucket=bucket))
+            self.num_graph_steps += 1
         else:
             meta = dataclasses.replace(build_metadata([], self.page_size, self.device), moe_group_tokens=group_tokens)
             self.model(torch.empty(0, dtype=torch.int64, device=self.device), meta, self.kv)

@@ -127,8 +127,9 @@ class ShardWorker:
 
     def counters(self) -> dict:
         """{"calls": group steps run, "kv_steps": KV-only steps run, "idle_forwards": empty forwards run for
-        lockstep peers} (tests)."""
-        return {"calls": self.num_calls, "kv_steps": self.num_kv_steps, "idle_forwards": self.runner.num_idle_forwards}
+        lockstep peers, "graph_steps": steps that replayed a decode CUDA graph} (tests)."""
+        return {"calls": self.num_calls, "kv_steps": self.num_kv_steps, "idle_forwards": self.runner.num_idle_forwards,
+                "graph_steps": self.runner.num_graph_steps}
 
     def ping(self) -> str:
         return "ok"
