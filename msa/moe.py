@@ -255,7 +255,7 @@ class SparseMoE(nn.Module):
         rank_in_owner = (to_owner.cumsum(0) * to_owner).sum(1) - 1
         slot_of_pair = owner * cap + rank_in_owner  # row of the flattened [ep * cap] send buffer
         rows = x.new_zeros((ep * cap, x.shape[1]))
-        rows.index_copy_(0, slot_of_pair, x.repeat_interleave(k, dim=0))
+        rows.index_copy_(0, slot_of_pair, x[:, None, :].expand(t, k, x.shape[1]).reshape(t * k, x.shape[1]))
         local = torch.full((ep * cap,), -1, dtype=torch.int64, device=x.device)
         local.index_copy_(0, slot_of_pair, flat - owner * per)
         received = all_to_all_equal(rows, self.ctx, "ep")  # [source rank's cap rows] * ep
