@@ -113,6 +113,12 @@ def template_kwargs(body: ChatCompletionRequest, server_default: dict[str, Any] 
     return {**(server_default or {}), **given}
 
 
+def single_call(body: Any) -> bool:
+    """`parallel_tool_calls: false` (OpenAI: at most one call). A body without the field (vLLM's `/tokenize` chat
+    form) renders the same prompt and splits no output."""
+    return getattr(body, "parallel_tool_calls", None) is False
+
+
 def render_chat(tokenizer: Any, body: ChatCompletionRequest, server_kwargs: dict[str, Any] | None) -> RenderedChat:
     """The prompt text and how to split its output. Template errors (roles out of order, a variable of the
     wrong type) are ChatRequestError: the client's to fix."""
@@ -126,7 +132,7 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest, server_kwargs: dict
         raise ChatRequestError("messages", f"the chat template rejected them: {e}") from None
     starts = body.add_generation_prompt and prompt_starts_in_reasoning(text)
     return RenderedChat(text, OutputSpec(tools=tools, starts_in_reasoning=starts,
-                                         single_call=tools is not None and body.parallel_tool_calls is False))
+                                         single_call=tools is not None and single_call(body)))
 
 
 # ----------------------------------------------------------------------------------------------------------------
