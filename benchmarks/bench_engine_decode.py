@@ -26,8 +26,8 @@ continuation differs). Beside them, two bytes floors at PERF.md's 4.3 TB/s:
                   context, averaged over the steps. Random weights route unevenly, so this is the honest one.
   uniform_floor_ms  the expected touched experts at uniform routing (benchmarks/kernels/bench_moe.py), as before.
 and, with --num-experts 128 only, PERF.md's target. `--hf-reference`: transformers' decode step on the same weights
-and prompts (benchmarks/hf_reference.py; the checkpoint is then written in the transformers layout, which the
-engine reads too), and its tokens' agreement with the graph run's. `--profile B`: a
+and prompts (benchmarks/hf_reference.py, in its own process before the engine starts; the checkpoint is then
+written in the transformers layout, which the engine reads too), and its tokens' agreement with the graph run's. `--profile B`: a
 torch-profiler table of one eager B-row decode step's kernels (device time by kernel name) and the graph replay's,
 written to profile_B<b>.txt under --out.
 
@@ -385,18 +385,19 @@ def format_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def add_hf_reference(doc: dict, args, model_dir: Path, vocab: int, graph_tokens: dict) -> None:
-    """Each row's "hf": transformers' decode step on the same weights and prompts (benchmarks/hf_reference.py),
-    its tokens' agreement with the engine's graph run."""
-    import gc
-
+def hf_reference_rows(args, model_dir: Path) -> dict[int, dict]:
+    """transformers' decode on the same weights and prompts (benchmarks/hf_reference.py), in a process of its own
+    and before the engine starts: {B: its result, tokens included}."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import hf_reference
 
-    gc.collect()
-    torch.cuda.empty_cache()
+    vocab = slice_config(args).vocab_size
     prompts = {b: batch_prompts(args, b, vocab) for b in args.batches}
-    hf = hf_reference.reference_rows(model_dir, prompts, args.decode_tokens, device=args.device)
+    return hf_reference.run_in_subprocess(model_dir, prompts, args.decode_tokens, device=args.device)
+
+
+def add_hf_reference(doc: dict, hf: dict[int, dict], graph_tokens: dict) -> None:
+    """Each row's "hf": transformers' step and its tokens' agreement with the engine's graph run."""
     for row in doc["rows"]:
         res = dict(hf[row["B"]])
         tokens, ours = res.pop("tokens", None), graph_tokens.get(row["B"])
@@ -420,6 +421,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # the tiny smoke run: intra-op threads only fight over a small machine's cores
     model_dir, model_info = prepare_model(args)
     _say(f"model {model_dir} {model_info}")
+    hf = hf_reference_rows(args, model_dir) if args.hf_reference and not args.tiny else None
     llm, build_s = build_llm(args, model_dir)
     runner = llm.engine.executor.runner
     info = runner.info()
@@ -446,11 +448,9 @@ def main(argv=None) -> int:
             if args.out:
                 (Path(args.out) / f"profile_B{b}.txt").write_text(table + "\n")
             _say(f"profile of B={b} written")
-    vocab = runner.config.vocab_size
     llm.engine.shutdown()
-    del llm, runner
-    if args.hf_reference and not args.tiny:
-        add_hf_reference(doc, args, model_dir, vocab, graph_tokens)
+    if hf is not None:
+        add_hf_reference(doc, hf, graph_tokens)
         save(doc, args.out)
     print(format_table(doc), flush=True)
     return 0
