@@ -31,7 +31,7 @@ from msa.config import M3Config
 from msa.layers import swiglu_oai_packed
 from msa.linear import (ColumnParallelLinear, RowParallelLinear, WeightShapeError, check_shape, new_param, read,
                         replicated_loader)
-from msa.parallel import (ParallelContext, all_gather_varlen, all_reduce, all_to_all, all_to_all_counts,
+from msa.parallel import (ParallelContext, all_gather_varlen, all_reduce, all_to_all,
                           all_to_all_equal)
 
 
@@ -217,7 +217,7 @@ class SparseMoE(nn.Module):
         # pairs sorted by expert id are grouped by owner rank (contiguous expert ranges), then by local expert
         order = torch.argsort(flat, stable=True)
         send_counts = torch.bincount(flat, minlength=self.experts.num_experts).view(ep, per)
-        recv_counts = all_to_all_counts(send_counts, self.ctx, "ep")  # [source rank, local expert]
+        recv_counts = all_to_all_equal(send_counts, self.ctx, "ep")  # [source rank, local expert]
         per_source = recv_counts.tolist()  # the one host sync of the dispatch (split sizes must be on the host)
         send_splits = send_counts.sum(1).tolist()
         recv_splits = [sum(c) for c in per_source]

@@ -268,19 +268,6 @@ def all_gather_varlen(x: torch.Tensor, ctx: ParallelContext, axis: str) -> tuple
     return torch.cat([gathered[r, :counts[r]] for r in range(size)]), counts
 
 
-def all_to_all_counts(send_counts: torch.Tensor, ctx: ParallelContext, axis: str = "ep") -> torch.Tensor:
-    """send_counts [size, m] int64 (row d: what this rank sends to rank d) -> [size, m] (row s: what rank s
-    sends to this rank). Run before `all_to_all` so each receiver knows its split sizes."""
-    size, group = _group(ctx, axis)
-    if size == 1:
-        return send_counts
-    import torch.distributed as dist
-
-    out = torch.empty_like(send_counts)
-    dist.all_to_all_single(out, send_counts.contiguous(), group=group)
-    return out
-
-
 def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], ctx: ParallelContext,
                axis: str = "ep") -> torch.Tensor:
     """Rows x [sum(send_splits), ...] -> [sum(recv_splits), ...]: the first send_splits[0] rows go to rank 0,
@@ -298,7 +285,9 @@ def all_to_all(x: torch.Tensor, send_splits: list[int], recv_splits: list[int], 
 def all_to_all_equal(x: torch.Tensor, ctx: ParallelContext, axis: str = "ep") -> torch.Tensor:
     """x [size * n, ...] -> [size * n, ...]: rows [r n, (r + 1) n) go to rank r, and the result holds rank r's
     block for this rank at rows [r n, (r + 1) n). Equal splits: no split size on the host, so it can be
-    captured in a CUDA graph (NCCL) as long as every rank passes the same shape."""
+    captured in a CUDA graph (NCCL) as long as every rank passes the same shape. Also how the exact-split
+    dispatch exchanges its counts ([size, m]: row d what this rank sends rank d -> row s what rank s sends here)
+    before `all_to_all`."""
     size, group = _group(ctx, axis)
     if size == 1:
         return x
@@ -336,6 +325,6 @@ def dp_token_counts(num_tokens: int, ctx: ParallelContext, device: torch.device 
 
 
 __all__ = ["ParallelContext", "RankLayout", "MOE_DISPATCH_MODES", "init_parallel", "destroy_parallel",
-           "all_reduce", "all_gather", "all_gather_counts", "all_gather_varlen", "all_to_all_counts", "all_to_all",
+           "all_reduce", "all_gather", "all_gather_counts", "all_gather_varlen", "all_to_all",
            "all_to_all_equal",
            "broadcast", "barrier", "dp_token_counts"]

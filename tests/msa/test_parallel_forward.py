@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -213,21 +212,9 @@ def sharded_runs(ckpts, tiny_cfg, tmp_path_factory):
     out = tmp_path_factory.mktemp("parallel")
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "ckpt": str(ckpts.path(tiny_cfg, SEED, "hub")), "cases": CASES}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(spec)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(WORLD)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"rank {r} (exit {p.returncode}):\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs))
-              if p.returncode != 0]
-    assert not failed, "\n".join(failed)
+    from tests.ranks import run_ranks
+
+    run_ranks(__file__, spec, WORLD)
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -80,21 +79,9 @@ def ranks(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("dp-padded")
     spec = out / "spec.json"
     spec.write_text(json.dumps({"out": str(out), "ckpt": str(tiny_ckpt)}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(spec)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"rank {r} (exit {p.returncode}):\n{log[-3000:]}" for r, (p, log) in enumerate(zip(procs, logs))
-              if p.returncode != 0]
-    assert not failed, "\n".join(failed)
+    from tests.ranks import run_ranks
+
+    run_ranks(__file__, spec, 2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from tests.workers.disagg_helpers import drive_pair
 from tests.workers.test_core import make_core
-from tests.workers.test_engine_roles import D_GROUP, P_GROUP, assert_empty, connect, engine_config, prompts
-from workers.engine import Engine
+from tests.workers.test_engine_roles import D_GROUP, P_GROUP, assert_empty, prompts
+from tests.workers.test_engine_roles import pair  # noqa: F401 - the fixture: one gloo pair for this module
 from workers.kv.commands import KVEvents, Prepare
 from workers.kv.config import TransferConfig, TransferState
 from workers.kv.connector import first_token_meta
@@ -105,19 +104,7 @@ def test_decode_command_error_fails_the_request():
     assert cmds.abort == ("r",) and cmds.release == ("r",)
 
 
-# ---- in process: a real pair, spied on ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pair(tiny_ckpt):
-    torch.set_num_threads(1)
-    cfg = TransferConfig(timeout_s=1.5, receive_timeout_s=30.0, lease_s=5.0, announce=True)
-    prefill = Engine(tiny_ckpt, engine_config=engine_config(), role="prefill", transfer=cfg)
-    decode = Engine(tiny_ckpt, engine_config=engine_config(), role="decode", transfer=cfg)
-    connect(prefill, decode, 0)
-    yield prefill, decode
-    prefill.shutdown()
-    decode.shutdown()
-
-
+# ---- in process: a real pair (test_engine_roles' fixture), spied on ------------------------------------------
 _PER_REQUEST = ("prepare", "send_many", "announce", "release", "abort", "result", "results")
 
 
