@@ -54,8 +54,10 @@ class CompileLog:
     def _after(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
         now = time.perf_counter()
         t0 = self._started.pop(str(key), now)
+        # `repr` names the launch options only (Triton 3.6 cuts the argument part short); the key holds every
+        # argument's specialisation and the constexprs: what tells two variants apart
         self.records.append({"phase": self.phase, "step": self.step, "kernel": fn.name,
-                             "specialization": repr, "seconds": now - t0})
+                             "specialization": repr, "key": str(key), "seconds": now - t0})
 
     def summary(self) -> dict[str, dict]:
         out: dict[str, dict] = {}

@@ -24,6 +24,17 @@ def use_triton(device: torch.device, backend: str | None) -> bool:
     return backend == "triton"
 
 
+def step_jit(*, ints: tuple[str, ...] = (), ptrs: tuple[str, ...] = ()):
+    """`triton.jit` for a kernel whose arguments `ints` (row counts, tile counts, table widths) and `ptrs` (views
+    that start at a per-step offset: decode rows' `positions[npf:]`, the step's staged lists) change from step to
+    step. Triton compiles a variant per integer argument's "== 1" and "divisible by 16" and per pointer's 16-byte
+    alignment; with several such arguments a kernel met new combinations for minutes of serving, each compile a
+    0.2-2 s stall of every request in the step (H200, benchmarks/probe_compiles.py: 107 variants, 76 s over the
+    first 61 serving steps). These arguments are scalars in address arithmetic or loop bounds and the pointers are
+    read an element at a time, so nothing vectorised is lost."""
+    return triton.jit(do_not_specialize=list(ints), do_not_specialize_on_alignment=list(ptrs))
+
+
 def runnable(kernel, device: torch.device):
     """The kernel to index with a grid. On CUDA the compiled kernel; on other devices the kernel must have been
     built by the interpreter (TRITON_INTERPRET=1 before triton was first imported), else a clear error."""

@@ -24,7 +24,8 @@ import triton
 import triton.language as tl
 
 from kernels._paged import gather_context, prefill_layout, request_rows
-from kernels._triton import arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, use_triton
+from kernels._triton import (arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, step_jit,
+                             use_triton)
 from kernels.prefill_attention import prefill_attention
 
 
@@ -75,7 +76,7 @@ def _check(q, k_cache, v_cache, row_seq, positions, block_ids) -> None:
 
 
 
-@triton.jit
+@step_jit(ints=("pt_st_r", "num_splits"), ptrs=("row_seq_ptr", "pos_ptr", "pt_ptr"))
 def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid_ptr, o_ptr, po_ptr, plse_ptr,
                         q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                         bid_st_n, bid_st_h, o_st_n, o_st_h, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h,
@@ -191,7 +192,7 @@ def _merge_group(po_row, pl_row, o_row, heads, ok, po_st_h, po_st_s, pl_st_h, o_
     tl.store(o_row + heads[:, None] * o_st_h + d[None, :], out.to(o_row.dtype.element_ty), mask=ok[:, None])
 
 
-@triton.jit
+@step_jit(ints=("num_splits",))
 def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h, o_st_n, o_st_h,
                   num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     # program (n, h): combine the split partials of one row and query head by their log-sum-exp (base 2)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, runnable, use_triton
+from kernels._triton import next_pow2, runnable, step_jit, use_triton
 from kernels.swiglu import swiglu_oai_ref
 
 
@@ -72,7 +72,7 @@ def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 # ---- Triton kernels -------------------------------------------------------------------------------------------
 
-@triton.jit
+@step_jit(ints=("num_pairs",))
 def _align_kernel(ids_ptr, num_pairs, expert_start, counts_ptr, row_start_ptr, block_end_ptr, sorted_ptr,
                   E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     experts = tl.arange(0, E_PAD)
@@ -115,7 +115,7 @@ def _chunk_hits(ids_ptr, num_pairs, expert_start, chunk, E: tl.constexpr, E_PAD:
     return p, ((local[:, None] == experts[None, :]) & (experts < E)[None, :]).to(tl.int32)
 
 
-@triton.jit
+@step_jit(ints=("num_pairs",))
 def _chunk_count_kernel(ids_ptr, num_pairs, expert_start, chunk_ptr, E: tl.constexpr, E_PAD: tl.constexpr,
                         CHUNK: tl.constexpr):
     # parallel alignment, pass 1: program c counts chunk c's pairs per local expert -> chunk_ptr[c, :]
@@ -124,7 +124,7 @@ def _chunk_count_kernel(ids_ptr, num_pairs, expert_start, chunk_ptr, E: tl.const
     tl.store(chunk_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(hit, axis=0))
 
 
-@triton.jit
+@step_jit(ints=("num_chunks",))
 def _chunk_scan_kernel(chunk_ptr, num_chunks, counts_ptr, row_start_ptr, block_end_ptr, E: tl.constexpr,
                        E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, NC_PAD: tl.constexpr):
     # pass 2 (one program): totals, expert starts and block ends; chunk_ptr[c, e] becomes where chunk c's first
@@ -142,7 +142,7 @@ def _chunk_scan_kernel(chunk_ptr, num_chunks, counts_ptr, row_start_ptr, block_e
     tl.store(where, base, mask=(cs < num_chunks)[:, None])
 
 
-@triton.jit
+@step_jit(ints=("num_pairs",))
 def _chunk_place_kernel(ids_ptr, num_pairs, expert_start, chunk_ptr, sorted_ptr, E: tl.constexpr,
                         E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     # pass 3: program c writes its pairs at their expert's base for the chunk + the expert's pairs before them in
@@ -238,7 +238,7 @@ def _gate_up_block(x_ptr, w, act_ptr, sorted_ptr, e, row0, nrows, pid_n, H, I, x
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < I)[None, :])
 
 
-@triton.jit
+@step_jit(ints=("num_m",))
 def _gate_up_kernel(x_ptr, w, act_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
                     H, I, x_st_t, w_st_e, w_st_n, act_st, alpha, limit, num_m, num_n,
                     TOP_K: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr,
@@ -283,7 +283,7 @@ def _down_block(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, e, row0, nrows, pid_
              mask=rmask[:, None] & (cols < H)[None, :])
 
 
-@triton.jit
+@step_jit(ints=("num_m",))
 def _down_kernel(act_ptr, w, y_ptr, weights_ptr, sorted_ptr, counts_ptr, row_start_ptr, block_end_ptr,
                  H, I, act_st, w_st_e, w_st_n, y_st, num_m, num_n,
                  E: tl.constexpr, E_PAD: tl.constexpr,

@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, runnable, use_triton
+from kernels._triton import next_pow2, runnable, step_jit, use_triton
 
 
-@triton.jit
+@step_jit(ptrs=("slot_ptr",))
 def _write_kv_kernel(k_ptr, v_ptr, ik_ptr, slot_ptr, kc_ptr, vc_ptr, ikc_ptr,
                      k_st_t, k_st_h, v_st_t, v_st_h, ik_st_t,
                      kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, ikc_st_p, ikc_st_o,

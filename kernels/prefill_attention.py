@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, runnable
+from kernels._triton import next_pow2, runnable, step_jit
 
 _LOG2E = 1.4426950408889634
 _BIG = tl.constexpr(1 << 30)  # "no block": sorts after every real block id (a constexpr: jit code reads it)
@@ -58,7 +58,7 @@ def _tile_step(q, k_ptrs, v_ptrs, keys, pos, ok, m_i, l_i, acc, qk_scale_log2, D
     return m_new, l_i, acc
 
 
-@triton.jit
+@step_jit(ints=("pt_st_r", "num_tiles"), ptrs=("pt_ptr", "qsl_ptr", "pos_ptr"))
 def _prefill_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, qsl_ptr, pos_ptr, bid_ptr, o_ptr,
                          q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                          bid_st_n, bid_st_h, o_st_n, o_st_h, qk_scale_log2, num_tiles,

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, num_sms, runnable
+from kernels._triton import next_pow2, num_sms, runnable, step_jit
 
 # ids of empty list slots are BIG + slot (unique, so a replacement hits exactly one slot); a constexpr: jit code
 # reads it
@@ -50,7 +50,7 @@ def _emit(out_rows, ok, vals, ids, K_REAL: tl.constexpr, BK: tl.constexpr):
              mask=ok[:, None] & (k[None, :] >= count[:, None]) & (k[None, :] < K_REAL))
 
 
-@triton.jit
+@step_jit(ints=("pt_st_r", "num_tiles", "num_splits"), ptrs=("pt_ptr", "qsl_ptr", "pos_ptr"))
 def _prefill_index_kernel(q_ptr, kc_ptr, pt_ptr, qsl_ptr, pos_ptr, out_ptr, pv_ptr, pi_ptr,
                           q_st_n, q_st_h, kc_st_p, kc_st_o, pt_st_r, out_st_n, out_st_h,
                           p_st_n, p_st_h, p_st_s, local_blocks, num_tiles, num_splits,
@@ -101,7 +101,7 @@ def _prefill_index_kernel(q_ptr, kc_ptr, pt_ptr, qsl_ptr, pos_ptr, out_ptr, pv_p
         tl.store(pi_ptr + dst, ids, mask=ok[:, None])
 
 
-@triton.jit
+@step_jit(ints=("num_splits",))
 def _merge_kernel(pv_ptr, pi_ptr, out_ptr, p_st_n, p_st_h, p_st_s, out_st_n, out_st_h, num_splits,
                   HI: tl.constexpr, TOPK: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
     # program (row, head): the top-k of the splits' lists [S * BK] by (score desc, id asc), emitted ascending

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, runnable, use_triton
+from kernels._triton import next_pow2, runnable, step_jit, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # elements a program holds for short rows (ROWS = _TILE // BD rows of BD)
@@ -38,7 +38,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual:
     return y if residual is None else (y, x)
 
 
-@triton.jit
+@step_jit(ints=("n_rows",))
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, n_rows, inner, x_st_a, x_st_b, r_st_a, r_st_b, eps,
                      D: tl.constexpr, BD: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)

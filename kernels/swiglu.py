@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, runnable, use_triton
+from kernels._triton import next_pow2, runnable, step_jit, use_triton
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 1024  # output columns a program holds (at most)
@@ -29,7 +29,7 @@ def swiglu_oai_ref(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (u + 1.0) * (g * torch.sigmoid(g * alpha))
 
 
-@triton.jit
+@step_jit(ints=("n_rows",))
 def _swiglu_kernel(x_ptr, o_ptr, n_rows, inter, stride_x, alpha, limit, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

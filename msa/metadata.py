@@ -159,8 +159,10 @@ def host_metadata(chunks: list[ChunkSpec], page_size: int) -> HostMetadata:
 
 def pack(lists: Sequence[tuple[Sequence, torch.dtype]]) -> tuple[bytes, list[tuple[int, int, torch.dtype]]]:
     """[(values, int64 | int32 | float32 | bool)] -> (one native-endian blob, (byte offset, byte length, dtype) per
-    list). Values are a list or a numpy array. Each list starts at an 8-byte boundary, so a view of any dtype at its
-    offset is aligned."""
+    list). Values are a list or a numpy array. Each list starts at a 16-byte boundary: a view of any dtype at its
+    offset is aligned, and Triton, which compiles a kernel variant per pointer argument's 16-byte divisibility, sees
+    the same alignment at every step (at 8 bytes the views' alignment followed the step's list lengths, and each
+    new combination compiled new variants mid-serving: benchmarks/probe_compiles.py)."""
     parts: list[bytes] = []
     spans: list[tuple[int, int, torch.dtype]] = []
     offset = 0
@@ -170,7 +172,7 @@ def pack(lists: Sequence[tuple[Sequence, torch.dtype]]) -> tuple[bytes, list[tup
             raw = values.astype(np.dtype(code), copy=False).tobytes()
         else:
             raw = array.array(code, values).tobytes()
-        pad = -len(raw) % 8
+        pad = -len(raw) % 16
         spans.append((offset, len(raw), dtype))
         parts.append(raw + bytes(pad))
         offset += len(raw) + pad
