@@ -5,7 +5,8 @@ engine's token ids (detokenizing, stop strings, logprob tokens: deploy/output.py
 responses or SSE chunks. Below this deployment there are only token ids.
 Every error leaves as OpenAI's error JSON with a fitting status; nothing leaks a stack trace.
 
-Streams (deploy/stream/ingress_side.py): the router decides where a request runs and answers a `Redirect`; the tokens then come
+Streams (deploy/stream/ingress_side.py): the router decides where a request runs and answers a `Redirect` (with a
+single unified engine replica the ingress starts it there itself and tells the router afterwards); the tokens come
 straight from that engine replica, through one subscription per engine replica shared by all this replica's requests,
 and leave as SSE events written without pydantic (`ChunkEncoder`), several tokens per event when we fell behind.
 """
@@ -31,7 +32,7 @@ from deploy.errors import NOT_READY_RETRY_S, ApiError
 from deploy.metrics_endpoint import ArrivalStamp
 from deploy.prepare import Prepared, Preparer
 from deploy.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EngineError, ModelCard,
-                             ModelList, TokenizeChatRequest, TokenizeCompletionRequest, unknown_fields)
+                             ModelList, Redirect, TokenizeChatRequest, TokenizeCompletionRequest, unknown_fields)
 from deploy.output import ChunkText
 from deploy.responses import Choice, Responder, apply
 from deploy.stream.ingress_side import EngineStreams, SSEResponse, Stream, guarded
@@ -39,6 +40,7 @@ from deploy.stream.ingress_side import EngineStreams, SSEResponse, Stream, guard
 logger = logging.getLogger("m3serve.ingress")
 
 API_KEY_ENV = "M3SERVE_API_KEY"
+_UNASKED = object()  # the router's `direct_target` not asked yet
 
 
 app = FastAPI(title="m3serve", description="OpenAI-compatible API for MiniMax-M3 on Ray Serve")
@@ -131,6 +133,7 @@ class Ingress:
     def __init__(self, router: DeploymentHandle, config: ServeConfig, model_dir: str, model_name: str) -> None:
         self._router = router
         self._engines = EngineStreams(router)  # direct streams from the engine replicas (deploy/stream/ingress_side.py)
+        self._direct: Redirect | None | object = _UNASKED  # where to start requests without the router, if anywhere
         self._config = config
         self._model_dir = model_dir
         self._model_name = model_name
@@ -341,16 +344,30 @@ class Ingress:
         return JSONResponse(self._resp.chat_response(prep, choices).model_dump(mode="json"))
 
     # -- talking to the router ------------------------------------------------------------------------------
+    async def _direct_target(self) -> Redirect | None:
+        """The router's `direct_target`, asked once (a failed ask is asked again with the next request)."""
+        if self._direct is _UNASKED:
+            try:
+                self._direct = await self._router.direct_target.remote()
+            except Exception as e:  # noqa: BLE001 - the router decides this request, as before
+                logger.warning("router.direct_target failed: %r", e)
+                return None
+        return self._direct
+
     async def _start(self, prep: Prepared) -> list[Stream]:
         """Send every prompt to the router and wait for each one's first event, so that a refusal (400, 429,
         503) becomes the HTTP status before any byte of a stream is sent."""
-        released = self._engines.take_released()  # ended direct streams, told to the router with this call
         requests = prep.engine_requests()
-        if self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
+        target = None if self._config.disaggregate else await self._direct_target()
+        if target is not None:  # one unified replica: started there at once, the router told afterwards
+            calls = [self._engines.direct(target, r) for r in requests]
+        elif self._config.disaggregate:  # prefill's first token comes through the router, then a redirect
+            released = self._engines.take_released()  # ended direct streams, told to the router with this call
             router = self._router.options(stream=True)
             calls = [router.generate.remote(r, released if i == 0 else (), self._engines.owner)
                      for i, r in enumerate(requests)]
         else:
+            released = self._engines.take_released()
             calls = [self._router.route.remote(r, released if i == 0 else (), self._engines.owner)
                      for i, r in enumerate(requests)]
         # the engines send token ids; each stream makes their text (deploy/output.py)

@@ -8,7 +8,8 @@ least recently, so equal replicas take turns even when requests arrive one at a 
 by in-flight requests, then free pages.
 
 The token stream never passes through here (every streamed item costs each process it crosses CPU): `route`
-(unified) answers a `Redirect` to the chosen replica; `generate` (disaggregated) runs the prefill/decode handoff
+(unified) answers a `Redirect` to the chosen replica, and with a single unified replica the ingress skips even that
+(`direct_target`: it starts requests there itself and names them in its next `release` call, `placed`); `generate` (disaggregated) runs the prefill/decode handoff
 (deploy/pd.py, a state machine: place, admit, prefill, first token, transfer, decode) and ends with a `Redirect`
 to the decode replica. The router counts the request on that replica until the ingress releases it, or until the
 ingress replica that owns it dies (deploy/owners.py watches). The KV pairs between every (prefill, decode) replica
@@ -40,6 +41,7 @@ logger = logging.getLogger("m3serve.router")
 
 STATS_TTL_S = 0.5
 HOLD_TTL_S = 3600.0  # a direct stream not released by then is forgotten (a last resort); see _sweep_held
+EARLY_RELEASE_TTL_S = 60.0  # a release that found nothing held waits this long for its request's placement
 
 
 class ReplicaLoad:
@@ -130,6 +132,10 @@ class Router:
         self._where: dict[str, ReplicaKey] = {}  # request id -> replica, for aborts
         # direct streams (the ingress reads the engine replica's stream itself), by request id
         self._held: dict[str, Held] = {}
+        # releases that came before the placement of their direct request (`_place`), by request id -> when
+        self._early_released: dict[str, float] = {}
+        self._swept = 0.0
+        self._direct = not config.disaggregate and sum(k[0] == "unified" for k in self._engines) == 1
         self._owner_watch: asyncio.Task | None = None  # aborts and releases what dead ingress replicas held
         # disaggregation: the pairs this router opens (its id in their names) and the handoff of each request
         self._wiring = Wiring(self._engines, uuid.uuid4().hex[:6], config.prefill.tp, config.prefill.dp)
@@ -176,6 +182,28 @@ class Router:
             if redirect is not None:  # cancelled before it left: given back here
                 self._release(req.request_id)
 
+    async def direct_target(self) -> Redirect | None:
+        """Unified with one engine replica there is nothing to decide per request: the ingress may start requests
+        on it itself (this template, its request fields empty) and tell the router afterwards (`release`'s
+        `placed`), one handle call less before the engine sees a request (docs/benchmarks.md D4). None: every
+        request goes through `route` (several replicas to choose from, or disaggregated)."""
+        keys = [k for k in self._engines if k[0] == "unified"]
+        if self._config.disaggregate or len(keys) != 1:
+            return None
+        handle = self._engines[keys[0]]
+        return Redirect(app_name=handle.app_name, deployment=handle.deployment_name, method="generate", args=(),
+                        request_id="", release_id="")
+
+    def _place(self, rid: str, owner: Owner | None) -> None:
+        """A request the ingress started on the one unified replica itself: counted and held from now on, as if
+        `route` had sent it there, unless its release already came (a later call that overtook this one)."""
+        if self._early_released.pop(rid, None) is not None:
+            return
+        key = next(k for k in self._engines if k[0] == "unified")
+        self._load.count_in(key)
+        self._where[rid] = key
+        self._hold(rid, key, "generate", (), rid, owner)
+
     def _hold(self, rid: str, key: ReplicaKey, method: str, args: tuple, engine_rid: str,
               owner: Owner | None) -> Redirect:
         """Count `rid` on `key` until it is released (or its `owner` dies); the redirect to hand over."""
@@ -188,9 +216,16 @@ class Router:
         return Redirect(app_name=handle.app_name, deployment=handle.deployment_name, method=method, args=args,
                         request_id=engine_rid, release_id=rid)
 
-    async def release(self, request_ids: list[str] | str) -> None:
-        """The ingress's direct streams of `request_ids` ended (or were cut): stop counting them on their replicas."""
+    async def release(self, request_ids: list[str] | str, placed: list[str] = (),
+                      owner: Owner | None = None) -> None:
+        """The ingress's direct streams of `request_ids` ended (or were cut): stop counting them on their replicas.
+        `placed`: requests `owner` started itself on the `direct_target` since its last call; counted first, so
+        one that started and ended between two calls comes and goes in this one."""
+        for rid in placed:
+            self._place(rid, owner)
         self._release_all([request_ids] if isinstance(request_ids, str) else request_ids)
+        if time.monotonic() - self._swept > STATS_TTL_S:  # direct requests never `pick`, whose refresh sweeps
+            self._sweep_held()
 
     def _release_all(self, request_ids) -> None:
         for rid in request_ids:
@@ -200,6 +235,8 @@ class Router:
         self._pd.released(rid)  # the client left before its first token: the prefill need not run on
         held = self._held.pop(rid, None)  # once: a second release (a cancel racing the end) finds nothing
         if held is None:
+            if self._direct:  # maybe a direct request whose placement is still on its way: it must not count
+                self._early_released[rid] = time.monotonic()
             return
         self._load.count_out(held.key)
         if self._where.get(rid) == held.key:
@@ -208,9 +245,11 @@ class Router:
     def _sweep_held(self) -> None:
         """Forget direct streams never released after `HOLD_TTL_S`: a last resort (a caller that named no owner
         and died); those of a dead owner go within `OWNER_CHECK_S` (deploy/owners.py)."""
-        now = time.monotonic()
+        now = self._swept = time.monotonic()
         for rid in [r for r, held in self._held.items() if now - held.since > HOLD_TTL_S]:
             self._release(rid)
+        for rid in [r for r, since in self._early_released.items() if now - since > EARLY_RELEASE_TTL_S]:
+            del self._early_released[rid]  # a second release of a request long gone, or a placement never sent
 
     async def abort(self, request_id: str) -> None:
         touched = self._pd.touched(request_id)

@@ -112,7 +112,7 @@ def _emit_ascending(outs, ids, chosen, h_ok, HP: tl.constexpr, TOPK: tl.constexp
              mask=h_ok[:, None] & (k[None, :] >= count[:, None]) & (k[None, :] < TOPK))
 
 
-@step_jit(ints=("pt_st_r", "num_splits"), ptrs=("row_seq_ptr", "pos_ptr", "pt_ptr"))
+@step_jit(ints=("pt_st_r", "sc_st_n", "sc_st_h", "num_splits"), ptrs=("row_seq_ptr", "pos_ptr", "pt_ptr"))
 def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
                          q_st_n, q_st_h, kc_st_p, kc_st_o, pt_st_r, sc_st_n, sc_st_h,
                          num_splits, cnt_ptr, out_ptr, out_st_n, out_st_h, local_blocks,
@@ -155,7 +155,7 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
                             sc_st_h, out_st_h, p // PS, local_blocks, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K)
 
 
-@step_jit(ptrs=("pos_ptr",))
+@step_jit(ints=("sc_st_n", "sc_st_h"), ptrs=("pos_ptr",))
 def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks, num_heads,
                         PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
                         HP: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
@@ -168,7 +168,7 @@ def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, ou
                     local_blocks, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K)
 
 
-@step_jit(ptrs=("pos_ptr",))
+@step_jit(ints=("sc_st_n", "sc_st_h"), ptrs=("pos_ptr",))
 def _select_rounds_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks,
                           PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
                           PDL: tl.constexpr):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -142,6 +143,7 @@ class EngineStreams:
         self.owner = this_owner()
         self._pending: set[asyncio.Future] = set()  # background calls, referenced until they are done
         self._released: list[str] = []  # ended direct streams the router has not been told of yet
+        self._placed: list[str] = []  # requests started here without the router (`direct`), not told of yet
         self._flush: asyncio.TimerHandle | None = None
         self.live: set[Stream] = set()  # streams not closed yet
 
@@ -201,8 +203,22 @@ class EngineStreams:
         """Tell the router a direct stream ended: with the next request's router call (`take_released`), or on
         its own after `RELEASE_FLUSH_S` if none comes (a call per request saved, its count stays right)."""
         self._released.append(release_id)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
         if self._flush is None:
             self._flush = asyncio.get_running_loop().call_later(RELEASE_FLUSH_S, self._flush_released)
+
+    def direct(self, target: Redirect, req: Any) -> asyncio.Future:
+        """`req` (an EngineRequest) started on the router's `direct_target` without asking the router: the
+        `Redirect` a `Stream` follows (a done future, where `route` would answer one), and the router is told
+        with the next flush, in the same call as the releases (placements first)."""
+        self._placed.append(req.request_id)
+        self._schedule_flush()
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(dataclasses.replace(target, args=(req,), request_id=req.request_id,
+                                            release_id=req.request_id))
+        return done
 
     def take_released(self) -> list[str]:
         ids, self._released = self._released, []
@@ -212,9 +228,10 @@ class EngineStreams:
         if self._flush is not None:
             self._flush.cancel()
         self._flush = None
-        ids = self.take_released()
-        if ids:
-            self._background(self._send(self._router.release.remote, ids), "release")
+        ids, placed = self.take_released(), self._placed
+        self._placed = []
+        if ids or placed:
+            self._background(self._send(self._router.release.remote, ids, placed, self.owner), "release")
 
     def stop(self, r: Redirect, index: int, stop: str, after: asyncio.Future | None = None) -> None:
         """Stop sample `index` of `r` on its replica: a stop string ended it here (its later tokens are nobody's).

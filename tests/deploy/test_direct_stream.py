@@ -211,3 +211,49 @@ def test_route_redirects_unified_requests_in_one_call_and_takes_releases_along(s
     assert inflight(serve_app) == {"unified-0": 1}
     router.release.remote(["routed-3", r2.release_id]).result()  # a list; an id no longer held changes nothing
     assert inflight(serve_app) == {"unified-0": 0}
+
+
+def test_one_unified_replica_is_a_direct_target_placed_and_released_in_one_call(serve_app):
+    """With one unified replica the ingress starts requests there itself (`direct_target`) and names them in its
+    next `release` call (`placed`): counted there until released, in the same call or a later one; a release that
+    overtook its placement leaves nothing counted. Disaggregated apps have no direct target."""
+    serve_app.wait_idle()
+    router = serve_app.router()
+    t = router.direct_target.remote().result()
+    assert isinstance(t, Redirect) and (t.deployment, t.method, t.args) == ("EngineServer-unified-0", "generate", ())
+    pd_app(serve_app)
+    assert pd_handle("Router").direct_target.remote().result() is None
+    router.release.remote([], ["placed-1", "placed-2"]).result()
+    assert inflight(serve_app) == {"unified-0": 2}
+    router.release.remote(["placed-1"], ["placed-3"]).result()  # placements first, then the releases
+    assert inflight(serve_app) == {"unified-0": 2}
+    router.release.remote(["placed-4", "placed-5"], ["placed-5"]).result()  # started and ended between two calls
+    assert inflight(serve_app) == {"unified-0": 2}
+    router.release.remote(["placed-6"]).result()  # overtook its placement ...
+    router.release.remote([], ["placed-6"]).result()  # ... which then counts nothing
+    router.release.remote(["placed-2", "placed-3"]).result()
+    assert inflight(serve_app) == {"unified-0": 0}
+
+
+def test_http_requests_start_directly_and_are_counted_until_their_stream_ends(serve_app):
+    """Through the ingress (one unified replica): the request reaches the engine without a `route` call, and
+    the router counts it on its replica while it streams (told within the flush interval) and not after."""
+    serve_app.wait_idle()
+    routed_before = sum(r["counters"].get("started", 0) for r in serve_app.engine_stats())
+    client = serve_app.client()
+    stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=200,
+                                       temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    seen, counted = 0, False
+    for chunk in stream:
+        seen += 1
+        if seen == 40:
+            deadline = time.monotonic() + 5
+            while not counted and time.monotonic() < deadline:
+                counted = inflight(serve_app) == {"unified-0": 1}
+    assert counted and seen > 40
+    deadline = time.monotonic() + 5
+    while inflight(serve_app) != {"unified-0": 0}:
+        assert time.monotonic() < deadline, inflight(serve_app)
+        time.sleep(0.05)
+    assert sum(r["counters"].get("started", 0) for r in serve_app.engine_stats()) == routed_before + 1
+    serve_app.wait_idle()
