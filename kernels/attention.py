@@ -1,7 +1,8 @@
 """Paged attention over any rows (prefill chunks and decode rows alike): dense causal and MSA block-sparse.
 
-The launchers route a step's rows: prompt rows to kernels/prefill_attention.py, decode rows (the batch suffix) to
-the decode kernel here; `paged_attention_ref` is the torch reference of both (tests only).
+The launchers route a step's rows: prompt rows to the prefill kernel `prompt_kind` picks (dense or token-major sparse
+in kernels/prefill_attention.py, block-major sparse in kernels/prefill_sparse_split.py), decode rows (the batch
+suffix) to the decode kernel here; `paged_attention_ref` is the torch reference of all (tests only).
 
 Each row is one query token at absolute position p of request `row_seq[row]`; it sees that request's keys
 j <= p (token-level causal mask), read from the paged caches through `page_tables`. For sparse layers it sees
@@ -27,6 +28,7 @@ from kernels._paged import gather_context, prefill_layout, request_rows
 from kernels._triton import (arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, step_jit,
                              use_triton)
 from kernels.prefill_attention import prefill_attention
+from kernels.prefill_sparse_split import prefill_sparse_split, use_block_major
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -301,6 +303,33 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def prompt_kind(num_rows: int, num_requests: int, width: int, block_ids: torch.Tensor | None, num_kv_heads: int,
+                fp32: bool = False) -> str:
+    """The kernel for a step's prompt rows (host ints only, no sync): "dense" for dense layers, and for sparse ones
+    whose page tables are at most top-k blocks wide: a table covers every position of its request, so no row has
+    more visible blocks than that, the indexer selects them all, and MSA is dense causal attention exactly
+    (M3_SPEC section 3; block_ids are then not read). Else "block_major" (kernels/prefill_sparse_split.py) where
+    its rule says, "token_major" (kernels/prefill_attention.py) otherwise."""
+    if block_ids is None or width <= block_ids.shape[-1]:
+        return "dense"
+    if use_block_major(num_rows, num_requests, width, block_ids.shape[-1], num_kv_heads, fp32):
+        return "block_major"
+    return "token_major"
+
+
+def prompt_attention(q, k_cache, v_cache, page_tables, query_start_loc, positions, scale, block_ids=None, *,
+                     num_requests: int, max_len: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The prompt rows of a step (`prefill_attention`'s inputs) through the kernel `prompt_kind` picks."""
+    kind = prompt_kind(q.shape[0], num_requests, page_tables.shape[1], block_ids, k_cache.shape[2],
+                       torch.float32 in (q.dtype, k_cache.dtype))
+    if kind == "block_major":
+        return prefill_sparse_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, scale, block_ids,
+                                    num_requests=num_requests, max_len=max_len, out=out)
+    return prefill_attention(q, k_cache, v_cache, page_tables, query_start_loc, positions, scale,
+                             None if kind == "dense" else block_ids, num_requests=num_requests, max_len=max_len,
+                             out=out)
+
+
 def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
            num_splits, prefill):
     if not 0 <= num_prefill_rows <= q.shape[0]:
@@ -311,9 +340,9 @@ def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_id
     out = torch.empty_like(q)
     if npf:
         qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)
-        prefill_attention(q[:npf], k_cache, v_cache, page_tables, qsl, positions[:npf], scale,
-                          None if block_ids is None else block_ids[:npf], num_requests=num_requests,
-                          max_len=max_len, out=out[:npf])
+        prompt_attention(q[:npf], k_cache, v_cache, page_tables, qsl, positions[:npf], scale,
+                         None if block_ids is None else block_ids[:npf], num_requests=num_requests,
+                         max_len=max_len, out=out[:npf])
     paged_decode_attention(q[npf:], k_cache, v_cache, page_tables, row_seq[npf:], positions[npf:], scale,
                            None if block_ids is None else block_ids[npf:], out=out[npf:], num_splits=num_splits)
     return out
@@ -325,7 +354,7 @@ def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale,
     """Public launcher, dense causal -> [N, Hq, D] in q's dtype.
 
     With `backend` resolving to Triton (None: on CUDA tensors; "triton" forces it, on CPU through the
-    interpreter), rows [0, num_prefill_rows) (prompt chunks) take the prefill kernel (kernels/prefill_attention.py)
+    interpreter), rows [0, num_prefill_rows) (prompt chunks) take a prefill kernel (`prompt_attention`)
     and rows [num_prefill_rows, N) (decode rows, the batch suffix) the decode kernel; both spans are views, nothing
     is copied. `prefill` = (query_start_loc [R + 1] int32 device, R, longest chunk) of the prompt rows, as the
     model's metadata holds it; None derives it from row_seq (one host sync). "ref": the torch reference for all.
@@ -338,7 +367,9 @@ def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale,
 def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block_ids, scale, *,
                      num_prefill_rows=0, backend: str | None = None, num_splits: int | None = None,
                      prefill: tuple[torch.Tensor, int, int] | None = None):
-    """Public launcher, MSA block-sparse over block_ids [N, Hkv, topk] (ascending, -1 tail); spans as above."""
+    """Public launcher, MSA block-sparse over block_ids [N, Hkv, topk] (ascending, -1 tail); spans as above.
+    The block_ids are the indexer's (M3_SPEC section 3): where the page tables are at most top-k blocks wide the
+    prompt rows are computed as dense causal attention, which that selection then equals (`prompt_kind`)."""
     _check(q, k_cache, v_cache, row_seq, positions, block_ids)
     return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
                   num_splits, prefill)
