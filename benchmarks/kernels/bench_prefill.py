@@ -11,8 +11,12 @@ Phases (--phases, comma separated):
   check  kernels vs references at T = 2,048, ctx = 8,192 (selections equal, attention rel. error < 1e-2)
   sweep  launch options of the three kernels at a few cases (--sweep-cases); the best per case is printed
   table  every case of --cases with the defaults (PREFILL_LAUNCH / PREFILL_INDEX_LAUNCH) and, where the sweep
-         ran, its best; torch SDPA (flash, contiguous, causal, GQA) for T = ctx; FLOP floors at 790 TFLOP/s;
-         the peer's numbers from PERF.md where it has them
+         ran, its best; "ours sparse" is what the dispatch ships (kernels/attention.py `prompt_attention`: dense,
+         token-major or block-major, its kind printed beside), the token-major kernel beside it; torch SDPA (flash,
+         contiguous, causal, GQA) for T = ctx; FLOP floors at 790 TFLOP/s; the peer's numbers from PERF.md
+  split  the block-major sparse kernel (kernels/prefill_sparse_split.py) on every case of --cases: its rel. error
+         vs the token-major kernel, the work list alone, split + merge alone, the total, beside the token-major
+         and the shipped times; a launch sweep capped by --split-budget-s (options, then W for the best two)
   moe    the routed experts of one m3-slice MoE layer (128 experts of 6144 x 3072, top-4) at T tokens: the
          fused kernel with its default and swept tiles, and torch._grouped_mm (CUTLASS) where torch has it
   PYTHONPATH=$PWD python3 benchmarks/kernels/bench_prefill.py --out $OUT
@@ -60,6 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--moe-tokens", default="2048,8192")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=400.0, help="skip sweep points past this much wall time")
+    p.add_argument("--split-budget-s", type=float, default=180.0, help="the split phase's sweep time, all cases")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
     a.cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",") if c]
@@ -107,6 +112,27 @@ def run_attn(c, sel, launch=None):
                              num_requests=1, max_len=c["t"], launch=launch)
 
 
+def run_shipped(c, sel):
+    """What a sparse layer's prompt rows run today: the dispatch's pick (`prompt_kind`)."""
+    from kernels.attention import prompt_attention
+
+    return prompt_attention(c["q"], c["k"], c["v"], c["table"], c["qsl"], c["pos"], D ** -0.5, sel,
+                            num_requests=1, max_len=c["t"])
+
+
+def shipped_kind(c, sel) -> str:
+    from kernels.attention import prompt_kind
+
+    return prompt_kind(c["t"], 1, c["table"].shape[1], sel, HKV)
+
+
+def run_split(c, sel, launch=None):
+    from kernels.prefill_sparse_split import prefill_sparse_split
+
+    return prefill_sparse_split(c["q"], c["k"], c["v"], c["table"], c["qsl"], c["pos"], D ** -0.5, sel,
+                                num_requests=1, max_len=c["t"], launch=launch)
+
+
 def run_sdpa(c, expand: bool):
     """torch SDPA (flash) on contiguous q/k/v of the same data, causal (t == ctx only): GQA through
     enable_gqa, or (expand) with K/V repeated to the 64 query heads before the timing, as plain MHA."""
@@ -150,10 +176,13 @@ def check_phase(args) -> dict:
     out = {"index_rows_differing": mismatch, "rows": 2048 * HI}
     sparse_want = paged_attention_ref(c["q"], c["k"], c["v"], c["table"], c["row_seq"], c["pos"], D ** -0.5, want)
     out["sparse_rel"] = rel(run_attn(c, want), sparse_want)
+    out["sparse_shipped_kind"] = shipped_kind(c, want)
+    out["sparse_shipped_rel"] = rel(run_shipped(c, want), sparse_want)
     del sparse_want
     dense_want = paged_attention_ref(c["q"], c["k"], c["v"], c["table"], c["row_seq"], c["pos"], D ** -0.5)
     out["dense_rel"] = rel(run_attn(c, None), dense_want)
-    out["ok"] = mismatch == 0 and out["sparse_rel"] < 1e-2 and out["dense_rel"] < 1e-2
+    out["ok"] = (mismatch == 0 and out["sparse_rel"] < 1e-2 and out["sparse_shipped_rel"] < 1e-2
+                 and out["dense_rel"] < 1e-2)
     print("check", json.dumps(out), flush=True)
     return out
 
@@ -200,7 +229,9 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
             sel = run_index(c)
             row = {"T": t, "ctx": ctx, **floors(t, ctx)}
             row["index"] = event_ms(lambda: run_index(c), args.reps)
-            row["sparse"] = event_ms(lambda: run_attn(c, sel), args.reps)
+            row["sparse"] = event_ms(lambda: run_shipped(c, sel), args.reps)
+            row["sparse_kind"] = shipped_kind(c, sel)
+            row["sparse_token_major"] = event_ms(lambda: run_attn(c, sel), args.reps)
             row["dense"] = event_ms(lambda: run_attn(c, None), args.reps)
             if t == ctx:
                 row["sdpa_gqa"] = event_ms(run_sdpa(c, False), args.reps)
@@ -219,6 +250,93 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
         except Exception:  # noqa: BLE001 - one case failing (memory) must not lose the others
             traceback.print_exc()
             rows.append({"T": t, "ctx": ctx, "error": traceback.format_exc(limit=1)})
+    return rows
+
+
+# block-major launches: kernel options at W = 64 first, then W for the best two, then the mask always applied
+# and smaller row slices for the best
+SPLIT_OPTIONS = [dict(pairs=64, sub=s, block_n=n, num_warps=w, num_stages=st)
+                 for s in (4, 2) for n in (128, 64) for w in (4, 8) for st in (2, 1)]
+
+
+def _split_parts(c, sel, launch):
+    """(work lists alone, split + merge alone) of one call of the block-major kernel, as callables."""
+    from kernels import prefill_sparse_split as sp
+
+    opts = sp.split_options(launch, HQ // HKV, PS, False)
+    t, width, rows = c["t"], c["table"].shape[1], min(c["t"], opts["max_rows"])
+    slices = [(a, min(t, a + opts["max_rows"])) for a in range(0, t, opts["max_rows"])]
+
+    def lists():
+        return [sp.build_work_list(sel[a:b], c["qsl"], a, 1, width, opts["pairs"]) for a, b in slices]
+
+    works = lists()
+    part_o = torch.empty((rows * HKV * TOPK * (HQ // HKV), D), dtype=c["q"].dtype, device=c["q"].device)
+    part_lse = torch.empty((rows * HKV * TOPK * (HQ // HKV),), dtype=torch.float32, device=c["q"].device)
+    out = torch.empty_like(c["q"])
+
+    def kernels():
+        for (a, b), w in zip(slices, works):
+            sp.split_merge(c["q"][a:b], c["k"], c["v"], c["table"], c["pos"][a:b], sel[a:b], D ** -0.5, w, out[a:b],
+                           part_o, part_lse, opts)
+
+    return lists, kernels
+
+
+def _time_split(c, sel, launch, ref, reps) -> dict:
+    try:
+        got = run_split(c, sel, launch)
+        res = {"rel_vs_token_major": rel(got, ref), "total": event_ms(lambda: run_split(c, sel, launch), reps)}
+        del got
+        return res
+    except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
+        return {"failed": f"{type(exc).__name__}: {str(exc)[:120]}"}
+
+
+def split_phase(args) -> list[dict]:
+    """The block-major kernel beside the token-major one and the shipped dispatch, per case of --cases."""
+    start, rows = time.monotonic(), []
+    reps = max(5, args.reps // 2)
+    for i, (t, ctx) in enumerate(args.cases):
+        c = make_case(t, ctx, seed=3)
+        sel = run_index(c)
+        ref = run_attn(c, sel)  # the token-major kernel: checked against the torch reference in phase check
+        row = {"T": t, "ctx": ctx, "peer": PEER.get((t, ctx), (None,) * 3)[1], "kind": shipped_kind(c, sel),
+               "sparse_floor": floors(t, ctx)["sparse_floor"]}
+        row["token_major"] = event_ms(lambda: run_attn(c, sel), args.reps)
+        row["shipped"] = event_ms(lambda: run_shipped(c, sel), args.reps)
+        default = _time_split(c, sel, None, ref, args.reps)
+        row["default"] = default
+        if "failed" not in default:
+            lists, kernels = _split_parts(c, sel, None)
+            row["work_list"] = event_ms(lists, args.reps)
+            row["split_merge"] = event_ms(kernels, args.reps)
+        # this case's share of what is left of the sweep's time
+        deadline = time.monotonic() + (start + args.split_budget_s - time.monotonic()) / (len(args.cases) - i)
+        sweep = {}
+
+        def tried(launch):
+            if time.monotonic() < deadline:
+                sweep[json.dumps(launch)] = _time_split(c, sel, launch, ref, reps)
+
+        for launch in SPLIT_OPTIONS:
+            tried(launch)
+        ranked = sorted((v["total"], k) for k, v in sweep.items() if "total" in v and v["rel_vs_token_major"] < 1e-2)
+        for _, key in ranked[:2]:
+            for w in (32, 128):
+                tried({**json.loads(key), "pairs": w})
+        ranked = sorted((v["total"], k) for k, v in sweep.items() if "total" in v and v["rel_vs_token_major"] < 1e-2)
+        if ranked:
+            tried({**json.loads(ranked[0][1]), "mask_branch": False})
+            tried({**json.loads(ranked[0][1]), "max_rows": 2048})
+        ranked = sorted((v["total"], k) for k, v in sweep.items() if "total" in v and v["rel_vs_token_major"] < 1e-2)
+        row["best"] = ranked[0] if ranked else None
+        row["sweep"] = sweep
+        row["cut_short"] = time.monotonic() >= deadline
+        print("split", json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+        rows.append(row)
+        c = sel = ref = None  # free the case before the next one is made
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -317,11 +435,25 @@ def _f(x) -> str:
     return f"{x:.3f}" if isinstance(x, float) else ("-" if x is None else str(x))
 
 
+def print_split(rows) -> None:
+    print("\nblock-major sparse prefill attention, ms (eager, CUDA events, median); shipped = the dispatch's pick")
+    print("| T x ctx | token-major | shipped (kind) | block-major default | best total | best options | work list | "
+          "split + merge | rel vs token-major | peer | best / peer | floor |")
+    for r in rows:
+        best = r.get("best") or (None, "-")
+        peer = r.get("peer")
+        ratio = best[0] / peer if peer and best[0] else None
+        print(f"| {r['T']} x {r['ctx']} | {_f(r['token_major'])} | {_f(r['shipped'])} ({r['kind']}) "
+              f"| {_f(r['default'].get('total', r['default'].get('failed')))} | {_f(best[0])} | {best[1]} "
+              f"| {_f(r.get('work_list'))} | {_f(r.get('split_merge'))} "
+              f"| {_f(r['default'].get('rel_vs_token_major'))} | {_f(peer)} | {_f(ratio)} | {_f(r['sparse_floor'])} |")
+
+
 def print_tables(result) -> None:
     print("\nprefill kernels, ms (eager, CUDA events, median); floors at 790 TFLOP/s")
     print("| T | ctx | peer index | ours index | peer sparse | ours sparse | sdpa dense (mha / gqa) | ours dense | "
           "sparse floor | dense floor | index floor |")
-    for name in ("check", "sweep", "table", "moe"):
+    for name in ("check", "sweep", "table", "moe", "split"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
             print(f"phase {name} failed: {result[name]['error'][-300:]}")
             result[name] = [] if name != "check" else result[name]
@@ -330,7 +462,7 @@ def print_tables(result) -> None:
             print(f"| {r['T']} | {r['ctx']} | error |")
             continue
         print(f"| {r['T']} | {r['ctx']} | {_f(r.get('peer_index'))} | {_f(r['index'])} | {_f(r.get('peer_sparse'))} "
-              f"| {_f(r['sparse'])} | {_f(r.get('sdpa'))} / {_f(r.get('sdpa_gqa'))} | {_f(r['dense'])} "
+              f"| {_f(r['sparse'])} ({r.get('sparse_kind')}; token-major {_f(r.get('sparse_token_major'))}) | {_f(r.get('sdpa'))} / {_f(r.get('sdpa_gqa'))} | {_f(r['dense'])} "
               f"| {_f(r['sparse_floor'])} "
               f"| {_f(r['dense_floor'])} | {_f(r['index_floor'])} |")
     for s in result.get("sweep", []):
@@ -342,6 +474,8 @@ def print_tables(result) -> None:
               f"{_f(m.get('grouped_mm'))}, floors flop {_f(m['flop_floor'])} bytes {_f(m['byte_floor'])}")
         for k, v in tiles.items():
             print(f"  {_f(v)} ms  rel.err {_f(m.get(k + ' rel_err_vs_default'))}  {k}")
+    if result.get("split"):
+        print_split(result["split"])
     if "check" in result:
         print("check", result["check"])
 
@@ -353,7 +487,8 @@ def main(argv=None) -> int:
     phases = [("check", lambda: check_phase(args)),
               ("sweep", lambda: sweep_phase(args, start + args.budget_s)),
               ("table", lambda: table_phase(args, result.get("sweep", []))),
-              ("moe", lambda: moe_phase(args, start + args.budget_s + 60))]
+              ("moe", lambda: moe_phase(args, start + args.budget_s + 60)),
+              ("split", lambda: split_phase(args))]
     for name, fn in phases:
         if name not in args.phases:
             continue
