@@ -9,6 +9,7 @@ import torch
 from kernels import attention, index_topk as itk
 from kernels.prefill_attention import prefill_attention
 from kernels.prefill_index import prefill_index_topk
+from kernels.prefill_sparse_split import prefill_sparse_split
 
 pytestmark = pytest.mark.gpu
 
@@ -63,6 +64,28 @@ def test_prefill_attention_gpu(paged_case, sparse):
                           out=got, launch=launch)
         assert not got.isnan().any(), launch
         assert _rel(got, want) < 1e-2, launch
+
+
+def test_block_major_sparse_gpu(paged_case):
+    """The block-major kernel at 2,048 new tokens after 6,144 cached (one request, the bench's 2k x 8k case) and on
+    the varlen chunks, several launches (W below and above the segments, half-page tiles, row slices that do not
+    divide the rows, the mask always applied), against the reference; the dispatch picks it for the first."""
+    for chunks in ([(8192, 6144)], CHUNKS):
+        case, (qsl, nreq, longest), q, qi = _case(paged_case, chunks, seed=5)
+        sel = prefill_index_topk(qi, case.index_k_cache, case.page_tables, qsl, case.positions, TOPK, 1,
+                                 num_requests=nreq, max_len=longest)
+        args = (q, case.k_cache, case.v_cache, case.page_tables)
+        want = attention.paged_attention_ref(*args, case.row_seq, case.positions, D ** -0.5, sel)
+        if nreq == 1:
+            assert attention.prompt_kind(q.shape[0], nreq, case.page_tables.shape[1], sel, HKV) == "block_major"
+        for launch in (None, {"pairs": 32, "sub": 2, "block_n": 64, "num_warps": 8, "max_rows": 1000},
+                       {"pairs": 128, "num_stages": 1, "mask_branch": False}):
+            got = torch.full_like(q, float("nan"))
+            prefill_sparse_split(*args, qsl, case.positions, D ** -0.5, sel, num_requests=nreq, max_len=longest,
+                                 out=got, launch=launch)
+            assert not got.isnan().any(), launch
+            assert _rel(got, want) < 1e-2, launch
+        del want
 
 
 def test_mixed_step_gpu(paged_case):
