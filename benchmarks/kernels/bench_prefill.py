@@ -254,9 +254,11 @@ def table_phase(args, sweep: list[dict]) -> list[dict]:
 
 
 # block-major launches: kernel options at W = 64 first, then W for the best two, then the mask always applied
-# and smaller row slices for the best
-SPLIT_OPTIONS = [dict(pairs=64, sub=s, block_n=n, num_warps=w, num_stages=st)
-                 for s in (4, 2) for n in (128, 64) for w in (4, 8) for st in (2, 1)]
+# and smaller row slices for the best. 8 pairs (128 rows) only with 8 warps and one stage: more spills or leaves
+# one program per SM (ptxas, sm_90: 202 registers, 96 KB of shared memory)
+SPLIT_OPTIONS = ([dict(pairs=64, sub=s, block_n=n, num_warps=w, num_stages=st)
+                  for s in (4, 2) for n in (128, 64) for w in (4, 8) for st in (2, 1)]
+                 + [dict(pairs=64, sub=8, block_n=n, num_warps=8, num_stages=1) for n in (128, 64)])
 
 
 def _split_parts(c, sel, launch):
