@@ -8,8 +8,9 @@ is turned around (P7 tried it with W = 4-8 pairs a program and a torch work list
 1. Pairs. Every (row, KV head, slot) of `block_ids` [N, Hkv, K] with a block names one segment key
    (kv head, request, block). The work list is built on the device in three launches, no host sync:
    `_count_kernel` counts the pairs per key with atomics (the atomic's old value is the pair's slot in its
-   segment), `_offsets_kernel` (one program) scans the counts into segment starts and the running count of
-   programs (ceil(count / W) a segment), `_scatter_kernel` puts every pair at its segment slot and maps each
+   segment) into a buffer kept zeroed between calls, `_offsets_kernel` (one program) scans the counts into
+   segment starts and the running count of programs (ceil(count / W) a segment) and zeroes the counts again,
+   `_scatter_kernel` puts every pair at its segment slot and maps each
    program to its segment (a binary search over the program counts). The order inside a segment is whatever the
    atomics gave: it changes no value, each partial being computed on its own and merged by (row, slot).
 2. Split: a program takes up to W pairs of one segment, loads the block's K and V once (one page: a whole-page
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import next_pow2, runnable
+from kernels._triton import arrival_counters, next_pow2, runnable
 
 _LOG2E = 1.4426950408889634
 _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never ask for the causal mask
@@ -95,13 +96,15 @@ def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0,
 
 @triton.jit
 def _offsets_kernel(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK: tl.constexpr):
-    # one program: seg[k] = pairs of keys before k (exclusive scan), pend[k] = programs of keys up to k (inclusive)
+    # one program: seg[k] = pairs of keys before k (exclusive scan, seg[num_keys] = all pairs), pend[k] =
+    # programs of keys up to k (inclusive); the counts are zeroed for the next call
     seen = tl.zeros([1], tl.int32)
     progs = tl.zeros([1], tl.int32)
     for s in range(0, num_keys, BLOCK):
         k = s + tl.arange(0, BLOCK)
         live = k < num_keys
         c = tl.load(cnt_ptr + k, mask=live, other=0)
+        tl.store(cnt_ptr + k, tl.zeros([BLOCK], tl.int32), mask=live)
         pc = (c + pairs_per_prog - 1) // pairs_per_prog
         c_incl = tl.cumsum(c, 0)
         p_incl = tl.cumsum(pc, 0)
@@ -109,6 +112,7 @@ def _offsets_kernel(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK:
         tl.store(pend_ptr + k, progs + p_incl, mask=live)
         seen += tl.sum(c, 0)
         progs += tl.sum(pc, 0)
+    tl.store(seg_ptr + num_keys + tl.arange(0, 1), seen)
 
 
 @triton.jit
@@ -139,11 +143,10 @@ class WorkList:
     """The device-built work list of one slice of rows (see the module docstring). Segment key =
     (kv head * num_requests + request) * width + block.
 
-    counts / seg_start / prog_end [num_keys] int32: pairs per key, the key's first slot in `perm`, programs of
-    keys up to and including it. perm [num_pairs] int32: pair index (row * Hkv + head) * K + slot at each segment
+    seg_start [num_keys + 1] int32: each key's first slot in `perm` (key k's pairs: seg_start[k] ..
+    seg_start[k + 1]); prog_end [num_keys] int32: programs of keys up to and including k. perm [num_pairs] int32: pair index (row * Hkv + head) * K + slot at each segment
     slot. items [num_items] int32: each program's key, -1 past the end. num_items: the host bound of the grid."""
 
-    counts: torch.Tensor
     seg_start: torch.Tensor
     prog_end: torch.Tensor
     perm: torch.Tensor
@@ -164,7 +167,9 @@ def build_work_list(block_ids: torch.Tensor, query_start_loc: torch.Tensor, row0
     num_pairs = n * hkv * topk
     num_keys = hkv * num_requests * width
     i32 = torch.int32
-    counts = torch.zeros(num_keys, dtype=i32, device=dev)
+    counts = arrival_counters("prefill_split", num_keys, dev, 4096)  # zeroed, and left zeroed by the scan
+    if counts is None:  # (growing it under CUDA-graph capture: never for prompt rows, which run eager)
+        counts = torch.zeros(num_keys, dtype=i32, device=dev)
     key = torch.empty(num_pairs, dtype=i32, device=dev)
     rank = torch.empty(num_pairs, dtype=i32, device=dev)
     block = 1024
@@ -172,7 +177,7 @@ def build_work_list(block_ids: torch.Tensor, query_start_loc: torch.Tensor, row0
         block_ids, query_start_loc, counts, key, rank, num_pairs, row0, num_requests,
         max(1, num_requests.bit_length()), width, block_ids.stride(0), block_ids.stride(1),
         HKV=hkv, TOPK=topk, BLOCK=block, num_warps=4)
-    seg_start = torch.empty(num_keys, dtype=i32, device=dev)
+    seg_start = torch.empty(num_keys + 1, dtype=i32, device=dev)
     prog_end = torch.empty(num_keys, dtype=i32, device=dev)
     runnable(_offsets_kernel, dev)[(1,)](counts, seg_start, prog_end, num_keys, pairs_per_prog, BLOCK=2048,
                                          num_warps=8)
@@ -182,7 +187,7 @@ def build_work_list(block_ids: torch.Tensor, query_start_loc: torch.Tensor, row0
     runnable(_scatter_kernel, dev)[(triton.cdiv(max(num_pairs, num_items), block),)](
         key, rank, seg_start, prog_end, perm, items, num_pairs, num_items, num_keys, num_keys.bit_length() + 1,
         BLOCK=block, num_warps=4)
-    return WorkList(counts, seg_start, prog_end, perm, items, num_items, pairs_per_prog, num_requests, width)
+    return WorkList(seg_start, prog_end, perm, items, num_items, pairs_per_prog, num_requests, width)
 
 
 # ---- split and merge --------------------------------------------------------------------------------------------
@@ -216,7 +221,7 @@ def _block_step(q, k, v, keys, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT
 
 
 @triton.jit
-def _split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, item_ptr, cnt_ptr, seg_ptr, pend_ptr, perm_ptr,
+def _split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, item_ptr, seg_ptr, pend_ptr, perm_ptr,
                   po_ptr, pl_ptr, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                   pairs_per_prog, num_requests, width, qk_scale_log2,
                   G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -228,10 +233,11 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, item_ptr, cnt_ptr, seg
     kvh = key // (num_requests * width)
     req = (key // width) % num_requests
     blk = key % width
-    count = tl.load(cnt_ptr + key)
+    seg0 = tl.load(seg_ptr + key)
+    count = tl.load(seg_ptr + key + 1) - seg0
     # this program's place among its segment's programs -> its first slot and its pairs
     j = pid - (tl.load(pend_ptr + key) - (count + pairs_per_prog - 1) // pairs_per_prog)
-    first = tl.load(seg_ptr + key) + j * pairs_per_prog
+    first = seg0 + j * pairs_per_prog
     n_here = tl.minimum(pairs_per_prog, count - j * pairs_per_prog)
     page = tl.load(pt_ptr + req.to(tl.int64) * pt_st_r + blk).to(tl.int64)
     d = tl.arange(0, D)
@@ -331,7 +337,7 @@ def split_merge(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     sub = opts["sub"]
     sub = sub if sub & (sub - 1) == 0 else next_pow2(sub)
     runnable(_split_kernel, q.device)[(work.num_items,)](
-        q, k_cache, v_cache, page_tables, positions, work.items, work.counts, work.seg_start, work.prog_end,
+        q, k_cache, v_cache, page_tables, positions, work.items, work.seg_start, work.prog_end,
         work.perm, part_o, part_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
         work.pairs_per_prog, work.num_requests, work.width, float(scale) * _LOG2E,

@@ -103,20 +103,24 @@ def test_work_list_covers_every_pair_once_in_block_runs():
     req = torch.searchsorted(qsl[1:], torch.arange(row0, row0 + n, dtype=torch.int32), right=True)
     items = work.items.tolist()
     assert len(items) == -(-bid.numel() // pairs) + min(bid.numel(), HKV * 3 * width)
+    counts = (work.seg_start[1:] - work.seg_start[:-1]).tolist()
     covered = []
     for pid, key in enumerate(items):
         if key < 0:
             assert all(k < 0 for k in items[pid:])
             break
-        j = pid - (int(work.prog_end[key]) - -(-int(work.counts[key]) // pairs))
+        j = pid - (int(work.prog_end[key]) - -(-counts[key] // pairs))
         first = int(work.seg_start[key]) + j * pairs
-        run = work.perm[first:first + min(pairs, int(work.counts[key]) - j * pairs)].tolist()
+        run = work.perm[first:first + min(pairs, counts[key] - j * pairs)].tolist()
         assert 0 < len(run) <= pairs
         for p in run:
             row, head, slot = p // (HKV * topk), (p // topk) % HKV, p % topk
             assert key == (head * 3 + int(req[row])) * width + int(bid[row, head, slot])
         covered += run
     assert sorted(covered) == [p for p in range(bid.numel()) if bid.reshape(-1)[p] >= 0]
+    from kernels._triton import _ARRIVAL_COUNTERS
+
+    assert int(_ARRIVAL_COUNTERS[("prefill_split", bid.device)].abs().sum()) == 0  # left zeroed for the next call
 
 
 @pytest.fixture
