@@ -448,7 +448,15 @@ def print_split(rows) -> None:
         print(f"| {r['T']} x {r['ctx']} | {_f(r['token_major'])} | {_f(r['shipped'])} ({r['kind']}) "
               f"| {_f(r['default'].get('total', r['default'].get('failed')))} | {_f(best[0])} | {best[1]} "
               f"| {_f(r.get('work_list'))} | {_f(r.get('split_merge'))} "
-              f"| {_f(r['default'].get('rel_vs_token_major'))} | {_f(peer)} | {_f(ratio)} | {_f(r['sparse_floor'])} |")
+              f"| {_e(r['default'].get('rel_vs_token_major'))} | {_f(peer)} | {_f(ratio)} | {_f(r['sparse_floor'])} |")
+    for r in rows:  # every swept launch: a config far off the token-major output is a miscompile, not a result
+        bad = {k: v for k, v in r["sweep"].items() if "failed" in v or v["rel_vs_token_major"] >= 1e-2}
+        if bad:
+            print(f"split {r['T']} x {r['ctx']}: launches failed or off: {json.dumps(bad)}")
+
+
+def _e(x) -> str:
+    return f"{x:.1e}" if isinstance(x, float) else ("-" if x is None else str(x))
 
 
 def print_tables(result) -> None:
