@@ -10,9 +10,9 @@ is turned around (P7 tried it with W = 4-8 pairs a program and a torch work list
    `_count_kernel` counts the pairs per key with atomics (the atomic's old value is the pair's slot in its
    segment) into a buffer kept zeroed between calls, `_offsets_kernel` (one program) scans the counts into
    segment starts and the running count of programs (ceil(count / W) a segment) and zeroes the counts again,
-   `_scatter_kernel` puts every pair at its segment slot and maps each
-   program to its segment (a binary search over the program counts). The order inside a segment is whatever the
-   atomics gave: it changes no value, each partial being computed on its own and merged by (row, slot).
+   `_scatter_kernel` puts every pair at its segment slot and maps each program to its segment (a binary search
+   over the program counts). The order inside a segment is whatever the atomics gave: it changes no value, each
+   partial being computed on its own and merged by (row, slot).
 2. Split: a program takes up to W pairs of one segment, loads the block's K and V once (one page: a whole-page
    tile or two halves) and loops over sub-tiles of SUB pairs (SUB * G rows, G query heads of the KV group): each
    row's softmax over the block's visible keys, stored as a normalised partial output (q's dtype: a convex
