@@ -144,8 +144,9 @@ class WorkList:
     (kv head * num_requests + request) * width + block.
 
     seg_start [num_keys + 1] int32: each key's first slot in `perm` (key k's pairs: seg_start[k] ..
-    seg_start[k + 1]); prog_end [num_keys] int32: programs of keys up to and including k. perm [num_pairs] int32: pair index (row * Hkv + head) * K + slot at each segment
-    slot. items [num_items] int32: each program's key, -1 past the end. num_items: the host bound of the grid."""
+    seg_start[k + 1]); prog_end [num_keys] int32: programs of keys up to and including k; perm [num_pairs] int32:
+    the pair index (row * Hkv + head) * K + slot at each segment slot; items [num_items] int32: each program's
+    key, -1 past the end; num_items: the host bound of the grid."""
 
     seg_start: torch.Tensor
     prog_end: torch.Tensor

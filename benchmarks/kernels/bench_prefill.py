@@ -472,7 +472,8 @@ def print_tables(result) -> None:
             print(f"| {r['T']} | {r['ctx']} | error |")
             continue
         print(f"| {r['T']} | {r['ctx']} | {_f(r.get('peer_index'))} | {_f(r['index'])} | {_f(r.get('peer_sparse'))} "
-              f"| {_f(r['sparse'])} ({r.get('sparse_kind')}; token-major {_f(r.get('sparse_token_major'))}) | {_f(r.get('sdpa'))} / {_f(r.get('sdpa_gqa'))} | {_f(r['dense'])} "
+              f"| {_f(r['sparse'])} ({r.get('sparse_kind')}; token-major {_f(r.get('sparse_token_major'))}) "
+              f"| {_f(r.get('sdpa'))} / {_f(r.get('sdpa_gqa'))} | {_f(r['dense'])} "
               f"| {_f(r['sparse_floor'])} "
               f"| {_f(r['dense_floor'])} | {_f(r['index_floor'])} |")
     for s in result.get("sweep", []):
