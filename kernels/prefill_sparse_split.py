@@ -68,7 +68,8 @@ def use_block_major(num_rows: int, num_requests: int, width: int, topk: int, num
 
 # ---- the work list ----------------------------------------------------------------------------------------------
 
-@triton.jit
+# host ints that change from step to step are not specialised on (== 1, divisible by 16): no compile mid-serving
+@triton.jit(do_not_specialize=["num_pairs", "row0", "num_requests", "search_steps", "width"])
 def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0, num_requests, search_steps,
                   width, bid_st_n, bid_st_h, HKV: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     # pairs p = (row * HKV + h) * TOPK + k of the slice: key[p] = (h, request, block) or -1, rank[p] = its slot
@@ -94,7 +95,7 @@ def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0,
     tl.store(rank_ptr + p, rank, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_keys"])
 def _offsets_kernel(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK: tl.constexpr):
     # one program: seg[k] = pairs of keys before k (exclusive scan, seg[num_keys] = all pairs), pend[k] =
     # programs of keys up to k (inclusive); the counts are zeroed for the next call
@@ -115,7 +116,7 @@ def _offsets_kernel(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK:
     tl.store(seg_ptr + num_keys + tl.arange(0, 1), seen)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_items", "num_keys", "search_steps"])
 def _scatter_kernel(key_ptr, rank_ptr, seg_ptr, pend_ptr, perm_ptr, item_ptr, num_pairs, num_items, num_keys,
                     search_steps, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -221,7 +222,7 @@ def _block_step(q, k, v, keys, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_requests", "width"])
 def _split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, item_ptr, seg_ptr, pend_ptr, perm_ptr,
                   po_ptr, pl_ptr, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                   pairs_per_prog, num_requests, width, qk_scale_log2,
