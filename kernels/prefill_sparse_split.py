@@ -41,18 +41,21 @@ _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never as
 
 # Launch options: pairs per program (W, a runtime value), pairs per sub-tile (SUB; SUB * G rows per tl.dot),
 # keys per tile (the page, or half of it), warps, stages, prompt rows per slice (bounds the partials: 4,096 rows
-# x 4 KV heads x top-16 x 16 heads x 128 x bf16 = 512 MiB). Placeholders until the H200 sweep
-# (benchmarks/kernels/bench_prefill.py --phases split) sets them.
+# x 4 KV heads x top-16 x 16 heads x 128 x bf16 = 512 MiB). H200 sweep (docs/benchmarks.md P9: W 32/64/128, SUB
+# 4/8, 64/128-key tiles, 4/8 warps, 1/2 stages, the mask branch, 2,048-row slices): the best total was within
+# 3% of these defaults at 2k x 8k and 2k x 32k, so they stay.
 SPLIT_LAUNCH = {"pairs": 64, "sub": 4, "block_n": 128, "num_warps": 4, "num_stages": 2, "max_rows": 4096,
                 "mask_branch": True}
 
 # When the prompt rows take this kernel rather than the token-major one (host ints only, see `use_block_major`):
-# at least `min_rows_per_request` rows per request on average (the tokens that can share a block) and a page
-# table wider than `min_blocks_per_topk` x top-k blocks (with fewer blocks the token-major kernel's token tiles
-# already share most blocks); `max_keys` bounds the segment keys (Hkv x requests x width) the one-program scan
-# walks; fp32 (parity runs) stays token-major unless `fp32` says otherwise (fp32 dots spill here, see
-# `split_options`). Placeholders until the H200 sweep sets them.
-BLOCK_MAJOR_RULE = {"min_rows_per_request": 512, "min_blocks_per_topk": 2.0, "max_keys": 1 << 16, "fp32": False}
+# between `min_rows_per_request` and `max_rows_per_request` rows per request on average (enough tokens to share
+# a block; past ~4k rows the partials' traffic outgrows what sharing saves: H200, P9, 8k x 8k took 2.98-3.27 ms
+# block-major against 2.86 token-major, while 2k rows gained 5-13%), a page table wider than
+# `min_blocks_per_topk` x top-k blocks (with fewer blocks the token-major kernel's token tiles already share most
+# blocks); `max_keys` bounds the segment keys (Hkv x requests x width) the one-program scan walks; fp32 (parity
+# runs) stays token-major unless `fp32` says otherwise (fp32 dots spill here, see `split_options`).
+BLOCK_MAJOR_RULE = {"min_rows_per_request": 512, "max_rows_per_request": 4096, "min_blocks_per_topk": 2.0,
+                    "max_keys": 1 << 16, "fp32": False}
 
 
 def use_block_major(num_rows: int, num_requests: int, width: int, topk: int, num_kv_heads: int,
@@ -60,7 +63,8 @@ def use_block_major(num_rows: int, num_requests: int, width: int, topk: int, num
     """Whether `num_rows` prompt rows of `num_requests` requests, page tables `width` blocks wide, go block-major
     (host ints only: no sync)."""
     rule = BLOCK_MAJOR_RULE
-    return (num_rows >= rule["min_rows_per_request"] * max(num_requests, 1)
+    requests = max(num_requests, 1)
+    return (rule["min_rows_per_request"] * requests <= num_rows <= rule["max_rows_per_request"] * requests
             and width > rule["min_blocks_per_topk"] * topk
             and num_kv_heads * num_requests * width <= rule["max_keys"]
             and (rule["fp32"] or not fp32))
