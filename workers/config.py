@@ -69,6 +69,11 @@ class EngineConfig:
     # None: on where the shard runs on CUDA (it hides the host's step work behind the device's; on the CPU the
     # launch itself runs the forward, so there is nothing to hide), off elsewhere.
     async_scheduling: bool | None = None
+    # warm-up (workers/warmup.py): before the engine takes requests, a few seconds of synthetic requests of many
+    # prompt lengths while others decode, so Triton builds the kernel variants serving meets at startup rather
+    # than in a user's step (each a 0.2-2 s stall; docs/benchmarks.md D6). Unified engines only. None: on where
+    # the shard runs on CUDA, off on the CPU (no compiles there).
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:

@@ -21,6 +21,7 @@ parallelism (dp > 1) a `DPEngine` (workers/dp.py: one core per dp rank around on
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from workers.batch import StepBatch
@@ -30,8 +31,11 @@ from workers.executor import ExecutorKind, LocalExecutor, make_executor
 from workers.kv.config import TransferConfig
 from workers.kv.connector import KVTransferFailed
 from workers.runner import StepResult
+from workers.warmup import warm_up
 
 __all__ = ["Engine", "KVTransferFailed", "make_engine", "role_engine_config"]
+
+logger = logging.getLogger("m3serve.engine")
 
 
 class Engine(EngineAPI):
@@ -55,9 +59,15 @@ class Engine(EngineAPI):
                                           f"({type(self.executor).__name__} has none yet)")
             agents = make_agents(role, self.model_config.num_key_value_heads, self.transfer_config)
         # an in-process shard takes the live page tables; one in another process, what changed (batch_delta.py)
-        rank = self._add_rank(self.executor.info(), agents,
-                              seq_deltas=not isinstance(self.executor, LocalExecutor))
+        info = self.executor.info()
+        rank = self._add_rank(info, agents, seq_deltas=not isinstance(self.executor, LocalExecutor))
         self.core, self.kv = rank.core, rank.kv
+        self.warmup_report = None  # workers/warmup.py's report, where the warm-up ran
+        warm = self.engine_config.warmup
+        if role == "unified" and (warm or (warm is None and str(info.get("device", "")).startswith("cuda"))):
+            self.warmup_report = r = warm_up(self)
+            logger.info("warm-up: %d requests in %d steps (%d mixed), %.1f s", r.requests, r.steps, r.mixed_steps,
+                        r.seconds)
 
     @property
     def scheduler(self):
