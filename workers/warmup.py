@@ -26,8 +26,9 @@ from workers.request import SamplingParams
 logger = logging.getLogger("m3serve.warmup")
 
 ARRIVE_EVERY = 2  # steps between arrivals: each prompt's chunks meet a different number of decoding rows
-MAX_TOKENS = 6  # decode steps per request: enough to overlap the next arrivals
+MAX_TOKENS = 8  # decode steps per request: enough to overlap the next arrivals
 LONGEST = 16384  # prompt tokens at most: longer contexts' variants compile on first use (their prefill takes s)
+BURSTS = (3, 6, 12, 24)  # short prompts arriving at once, then a prompt chunk beside their decode rows
 
 
 @dataclass
@@ -38,20 +39,31 @@ class WarmupReport:
     mixed_steps: int = 0  # steps with prompt and decode rows both
 
 
-def warmup_lengths(max_model_len: int, chunk: int, page_size: int) -> list[int]:
-    """Prompt lengths in arrival order: short ones (single rows, a page and a bit), tables of 2, 4, 8, ... pages
-    up to `LONGEST` (each power of two of the top-k width), and one prompt whose last chunk is a few hundred rows
-    after a long context (the block-major prefill path)."""
+def warmup_arrivals(max_model_len: int, chunk: int, page_size: int, max_num_seqs: int = 256) -> list[list[int]]:
+    """Prompt lengths, one list per arrival (every `ARRIVE_EVERY` steps): short ones (single rows, a page and a
+    bit); tables of 2, 4, 8, ... pages up to `LONGEST` (each power of two of the top-k width); chunks of 700-3,000
+    rows while the longest still decodes (wide tables beside short chunks: the block-major prefill path); one
+    prompt whose last chunk is 700 rows after a full chunk, where it fits; then bursts of short prompts whose
+    decode rows (3 to 24) share an eager step with a 1,000-token chunk (the decode kernels' split classes)."""
     room = min(max_model_len - MAX_TOKENS, LONGEST)
-    lengths = [1, 5, 17, page_size + 1, 100, 300]
+    singles = [1, 5, 17, page_size + 1, 100, 300]
     pages = 2
     while pages * page_size <= room:
-        lengths.append(pages * page_size - 3)
+        singles.append(pages * page_size - 3)
         pages *= 2
-    tail = chunk + 700  # a full chunk, then 700 rows over a context of `chunk` tokens
-    if tail <= room:
-        lengths.append(tail)
-    return [n for n in lengths if 1 <= n <= room]
+    singles += [700, 1500, 3000]
+    if chunk + 700 <= room:
+        singles.append(chunk + 700)
+    arrivals = [[n] for n in singles if 1 <= n <= room]
+    for k in BURSTS:
+        if k < max_num_seqs:
+            arrivals += [[17] * k, [min(1000, room)]]
+    return arrivals
+
+
+def warmup_lengths(max_model_len: int, chunk: int, page_size: int, max_num_seqs: int = 256) -> list[int]:
+    """Every prompt length of the warm-up, in arrival order."""
+    return [n for group in warmup_arrivals(max_model_len, chunk, page_size, max_num_seqs) for n in group]
 
 
 def warm_up(engine, *, budget_s: float = 120.0, seed: int = 0) -> WarmupReport:
@@ -59,26 +71,25 @@ def warm_up(engine, *, budget_s: float = 120.0, seed: int = 0) -> WarmupReport:
     if engine.has_unfinished():
         raise RuntimeError("warm_up needs an idle engine")
     cfg = engine.engine_config
-    lengths = warmup_lengths(cfg.max_model_len, cfg.max_num_batched_tokens, engine.page_size)
+    pending = warmup_arrivals(cfg.max_model_len, cfg.max_num_batched_tokens, engine.page_size, cfg.max_num_seqs)
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     report, t0 = WarmupReport(), time.perf_counter()
-    pending = list(lengths)
     try:
         while pending or engine.has_unfinished():
             if time.perf_counter() - t0 > budget_s:
-                logger.warning("warm-up stopped after %.0f s (budget): %d prompt lengths not run", budget_s,
-                               len(pending))
+                logger.warning("warm-up stopped after %.0f s (budget): %d arrivals not run", budget_s, len(pending))
                 break
             if pending and report.steps % ARRIVE_EVERY == 0:
-                prompt = [rng.randrange(3, vocab) for _ in range(pending.pop(0))]
-                try:
-                    engine.validate_request(prompt, params)
-                except ValueError:  # more than this pool or model length takes: skip it
-                    continue
-                engine.add_request(f"warmup-{report.requests}", prompt, params)
-                report.requests += 1
+                for n in pending.pop(0):
+                    prompt = [rng.randrange(3, vocab) for _ in range(n)]
+                    try:
+                        engine.validate_request(prompt, params)
+                    except ValueError:  # more than this pool or model length takes: skip it
+                        continue
+                    engine.add_request(f"warmup-{report.requests}", prompt, params)
+                    report.requests += 1
             engine.step()
             report.steps += 1
     finally:
@@ -101,4 +112,4 @@ def _forget(engine) -> None:
         core.scheduler.num_preemptions = 0
 
 
-__all__ = ["WarmupReport", "warm_up", "warmup_lengths"]
+__all__ = ["WarmupReport", "warm_up", "warmup_arrivals", "warmup_lengths"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from workers.request import SamplingParams
-from workers.warmup import LONGEST, MAX_TOKENS, warmup_lengths
+from workers.warmup import LONGEST, MAX_TOKENS, warmup_arrivals, warmup_lengths
 
 
 def test_lengths_cover_every_power_of_two_table_and_a_short_chunk_after_a_long_context():
@@ -14,6 +14,9 @@ def test_lengths_cover_every_power_of_two_table_and_a_short_chunk_after_a_long_c
     assert lengths[:3] == [1, 5, 17]
     assert [n for n in lengths if n % 128 == 125] == [128 * 2 ** k - 3 for k in range(1, 8)]  # 2 .. 128 pages
     assert 8192 + 700 in lengths and max(lengths) <= min(20000 - MAX_TOKENS, LONGEST)
+    assert {700, 1500, 3000} <= set(lengths)  # short chunks while the widest table still decodes
+    arrivals = warmup_arrivals(max_model_len=20000, chunk=8192, page_size=128, max_num_seqs=16)
+    assert [len(a) for a in arrivals if len(a) > 1] == [3, 6, 12]  # bursts: no more than max_num_seqs at once
     assert all(n <= 300 - MAX_TOKENS for n in warmup_lengths(max_model_len=300, chunk=64, page_size=16))
 
 
@@ -24,7 +27,7 @@ def test_warm_up_leaves_the_engine_as_it_found_it(make_llm):
     warm = make_llm(max_model_len=300, max_num_batched_tokens=64, max_num_seqs=8, warmup=True)
     assert cold.engine.warmup_report is None  # off on the CPU by default
     report = warm.engine.warmup_report
-    assert report.requests == len(warmup_lengths(300, 64, warm.engine.page_size)) and report.mixed_steps > 0
+    assert report.requests == len(warmup_lengths(300, 64, warm.engine.page_size, 8)) and report.mixed_steps > 0
     eng = warm.engine
     st = eng.stats()
     assert not eng.has_unfinished() and st.num_pages_free == st.num_pages_total and st.num_pages_cached == 0
