@@ -20,7 +20,7 @@ serve: install
 # Installs what the tests need (Python packages, Debian's prometheus for the metrics test) and runs them all.
 test: install
 	@command -v prometheus >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) || echo "prometheus not installed: the metrics test will fail"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint-imports: install
 	$(VENV)/bin/lint-imports

@@ -161,12 +161,20 @@ def _check_aborts(server: _Server, prom: Prometheus, model: str, max_model_len: 
 
 
 def _check_queries(prom: Prometheus, since: float, transfers: bool) -> None:
-    """Every dashboard query and every recording rule has data (KV transfer latency only with transfers)."""
-    window = f"{int(time.time() - since) + 5}s"
-    empty = {(t, ref) for t, ref, expr in dashboard_queries(rate_interval=window)
-             if not has_finite_value(prom.query(expr))}
+    """Every dashboard query and every recording rule has data (KV transfer latency only with transfers). A rate
+    needs two scrapes that saw the counts move: on a loaded machine the last transfers can land after the
+    scrape the query first sees, so the queries get a few scrape intervals to have data."""
     transfer_only = {(t, ref) for t, ref, expr in dashboard_queries() if "kv_transfer_seconds_bucket" in expr}
-    assert empty == (set() if transfers else transfer_only)
+    want = set() if transfers else transfer_only
+    deadline = time.time() + 30
+    while True:
+        window = f"{int(time.time() - since) + 5}s"
+        empty = {(t, ref) for t, ref, expr in dashboard_queries(rate_interval=window)
+                 if not has_finite_value(prom.query(expr))}
+        if empty == want or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert empty == want
     time.sleep(3)  # a few rule evaluations after the counts settled
     rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
     assert rules and all(r["health"] == "ok" for r in rules), [r for r in rules if r["health"] != "ok"]

@@ -65,7 +65,7 @@ def test_each_kernel_compiles_once_per_launch_configuration(make_llm, key_log):
     llm = make_llm(num_pages=160, max_num_batched_tokens=48, max_num_seqs=8, attention_backend="triton")
     # waves of prompts of odd and even, page-crossing lengths, so steps mix 1-8 decode rows with prompt chunks that
     # start anywhere: the decode rows' views (positions[npf:], row_seq[npf:]) start at every alignment
-    for lengths in ((3, 17, 40), (65, 2, 9, 30, 1), (130, 5, 21)):
+    for lengths in ((3, 17, 40), (65, 2, 9, 30, 1)):
         batch = [{"prompt_token_ids": [rng.randrange(3, 384) for _ in range(n)]} for n in lengths]
         params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(2, 7)) for _ in lengths]
         llm.generate(batch, params)
