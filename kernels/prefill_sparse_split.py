@@ -70,6 +70,15 @@ def use_block_major(num_rows: int, num_requests: int, width: int, topk: int, num
             and (rule["fp32"] or not fp32))
 
 
+def workspace_bytes(num_rows: int, num_kv_heads: int, topk: int, group: int, head_dim: int, itemsize: int) -> int:
+    """Device bytes one block-major call holds at once for `num_rows` prompt rows: the partials of a row slice
+    (min(rows, max_rows) x Hkv x topk pairs, each G x D in q's dtype plus an fp32 lse per head) and the work
+    list's per-pair ints (key, rank, perm: int32). What the engine's memory profile keeps free beside its own
+    profile step, which takes the token-major path at its larger size (workers/memory.py)."""
+    pairs = min(num_rows, int(SPLIT_LAUNCH["max_rows"])) * num_kv_heads * topk
+    return pairs * group * (head_dim * itemsize + 4) + pairs * 3 * 4
+
+
 # ---- the work list ----------------------------------------------------------------------------------------------
 
 # host ints that change from step to step are not specialised on (== 1, divisible by 16): no compile mid-serving
@@ -409,4 +418,4 @@ def prefill_sparse_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 __all__ = ["BLOCK_MAJOR_RULE", "SPLIT_LAUNCH", "WorkList", "build_work_list", "prefill_sparse_split", "split_merge",
-           "split_options", "use_block_major"]
+           "split_options", "use_block_major", "workspace_bytes"]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.prefill_sparse_split import BLOCK_MAJOR_RULE, workspace_bytes
 from msa.config import M3Config
 from msa.kv_cache import KVCache
 from msa.metadata import ChunkSpec, build_metadata
@@ -194,6 +195,19 @@ def graph_reserve_bytes(peaks: StepPeaks, max_graph_batch: int | None) -> int:
     return max(per_token * min(max_graph_batch, peaks.num_tokens) + peaks.head, GRAPH_RESERVE_FLOOR)
 
 
+def block_major_reserve(config: M3Config, engine_config: EngineConfig, num_kv_heads: int, itemsize: int) -> int:
+    """Memory kept free for the block-major sparse prefill's workspace (kernels/prefill_sparse_split.py): the
+    profile step runs `max_num_batched_tokens` rows, which past 4,096 take the token-major kernel, so its peak
+    does not hold the partials a smaller prompt chunk beside a long context allocates (up to 512 MiB at M3's
+    shapes). 0 for a model without sparse layers. `num_kv_heads`: this shard's."""
+    if not config.sparse_layers:
+        return 0
+    rows = min(engine_config.max_num_batched_tokens,
+               BLOCK_MAJOR_RULE["max_rows_per_request"] * engine_config.max_num_seqs)
+    return workspace_bytes(rows, num_kv_heads, config.index_topk_blocks,
+                           config.num_attention_heads // config.num_key_value_heads, config.head_dim, itemsize)
+
+
 def pages_from_profile(profile: MemoryProfile, *, utilization: float, bytes_per_page: int,
                        graph_reserve: int = 0) -> int:
     """Pages of the KV pool: (free * utilization - peak activation - graph reserve) // bytes per page, >= 0."""
@@ -263,5 +277,5 @@ def describe(profile: MemoryProfile, *, utilization: float, graph_reserve: int, 
     p = profile.peaks
     return (f"KV pool {num_pages} pages = {_gib(num_pages * bytes_per_page)}: weights {_gib(profile.weights)}, "
             f"profile step of {p.num_tokens} tokens ({p.num_rows} sampled rows) peaked at {_gib(p.activation)} of "
-            f"activations, {_gib(graph_reserve)} kept for decode graphs, {_gib(profile.free)} free of "
-            f"{_gib(profile.total)} x gpu_memory_utilization {utilization:g}")
+            f"activations, {_gib(graph_reserve)} kept for decode graphs and the sparse prefill workspace, "
+            f"{_gib(profile.free)} free of {_gib(profile.total)} x gpu_memory_utilization {utilization:g}")

@@ -39,8 +39,8 @@ from workers.batch import StepBatch, logits_row_of_chunk, resolve_batch, rows_to
 from workers.batch_delta import SeqMirror
 from workers.config import EngineConfig
 from workers.cuda_graph import DecodeGraphs, capture_sizes, graph_skip_reason, is_graph_step, plan_dp_step
-from workers.memory import (StepOutOfMemoryError, check_pool_holds_max_model_len, describe, graph_reserve_bytes,
-                            measure_profile, pages_from_profile, release_cached_memory)
+from workers.memory import (StepOutOfMemoryError, block_major_reserve, check_pool_holds_max_model_len, describe,
+                            graph_reserve_bytes, measure_profile, pages_from_profile, release_cached_memory)
 from workers.sampler import (Sampler, SamplerOutput, SamplingBatch, gather_logprobs, make_generator,
                              skip_draws)
 
@@ -86,9 +86,11 @@ def kv_pool_pages(config: M3Config, engine_config: EngineConfig, device: torch.d
         graphs = graph_skip_reason(engine_config, device, tp_size=ctx.tp_size, ep_size=ctx.ep_size,
                                    moe_dispatch=ctx.moe_dispatch) is None
         reserve = graph_reserve_bytes(profile.peaks, capture_sizes(engine_config)[-1] if graphs else None)
+        kept = reserve + block_major_reserve(config, engine_config, ctx.kv_head_range(config.num_key_value_heads)[1],
+                                             torch.empty((), dtype=dtype).element_size())
         util = engine_config.gpu_memory_utilization
-        pages = pages_from_profile(profile, utilization=util, bytes_per_page=per_page, graph_reserve=reserve)
-        sizing = describe(profile, utilization=util, graph_reserve=reserve, num_pages=pages, bytes_per_page=per_page)
+        pages = pages_from_profile(profile, utilization=util, bytes_per_page=per_page, graph_reserve=kept)
+        sizing = describe(profile, utilization=util, graph_reserve=kept, num_pages=pages, bytes_per_page=per_page)
         logger.info("rank %d: %s", ctx.world_rank, sizing)
         if pages < 1:
             raise ValueError(f"gpu_memory_utilization: no KV page is left after the weights and the profile step "

@@ -15,8 +15,8 @@ from msa.kv_cache import KVCache
 from workers import memory, runner as runner_mod
 from workers.batch import build_step_batch
 from workers.config import EngineConfig
-from workers.memory import (MemoryProfile, StepOutOfMemoryError, StepPeaks, graph_reserve_bytes, pages_from_profile,
-                            pool_too_small, profile_chunks, run_profile_step)
+from workers.memory import (MemoryProfile, StepOutOfMemoryError, StepPeaks, block_major_reserve, graph_reserve_bytes,
+                            pages_from_profile, pool_too_small, profile_chunks, run_profile_step)
 from workers.pages import PageManager
 from workers.request import SamplingParams
 from workers.runner import ModelRunner, kv_pool_pages
@@ -63,10 +63,11 @@ def test_the_cuda_branch_sizes_the_pool_from_the_profile_readings(tiny_ckpt, mon
     with caplog.at_level(logging.INFO, logger="m3serve.runner"):
         pages, reserve = kv_pool_pages(config, EngineConfig(max_num_seqs=64), cuda, torch.bfloat16)
     assert reserve == graph_reserve_bytes(peaks, 64) > 0
-    assert pages == (int(4 * GIB * 0.9) - 512 * MIB - reserve) // per_page
+    workspace = block_major_reserve(config, EngineConfig(max_num_seqs=64), config.num_key_value_heads, 2)
+    assert pages == (int(4 * GIB * 0.9) - 512 * MIB - reserve - workspace) // per_page
     assert "weights 1.00 GiB" in caplog.text and "peaked at 0.50 GiB" in caplog.text and f"{pages} pages" in caplog.text
     eager = kv_pool_pages(config, EngineConfig(max_num_seqs=64, enforce_eager=True), cuda, torch.bfloat16)
-    assert eager == ((int(4 * GIB * 0.9) - 512 * MIB) // per_page, 0)
+    assert eager == ((int(4 * GIB * 0.9) - 512 * MIB - workspace) // per_page, 0)
     assert kv_pool_pages(config, EngineConfig(num_pages=7), cuda, torch.bfloat16) == (7, 0)  # exact: no profile
     nothing_left = MemoryProfile(weights=GIB, free=256 * MIB, total=8 * GIB, peaks=peaks)
     monkeypatch.setattr(runner_mod, "measure_profile", lambda *a, **kw: nothing_left)
@@ -174,3 +175,19 @@ def test_a_forward_out_of_memory_becomes_a_clear_step_error_and_the_runner_goes_
     assert e.value.__cause__ is None and e.value.__context__ is None  # no frame of the failed forward is kept
     assert memory.is_out_of_memory(e.value)
     assert runner.execute(_one_step_batch(cfg, runner, list(range(5, 15)))).token_ids == want
+
+
+def test_block_major_workspace_is_kept_free_at_m3_shapes_and_not_for_dense_models(tiny_ckpt):
+    """M3 (4 KV heads, top-16, 16 query heads a group, head_dim 128, bf16): a 4,096-row slice's partials (512 MiB)
+    plus their lse and work-list ints, whatever the step size above it; a model without sparse layers keeps none."""
+    import dataclasses
+
+    from workers.models import preset_config
+
+    m3 = preset_config("m3-slice")
+    pairs = 4096 * 4 * 16
+    want = pairs * 16 * (128 * 2 + 4) + pairs * 12
+    assert block_major_reserve(m3, EngineConfig(max_num_batched_tokens=16384), 4, 2) == want
+    assert block_major_reserve(m3, EngineConfig(max_num_batched_tokens=1024), 4, 2) == want // 4
+    dense = dataclasses.replace(m3, layer_types=tuple("full_attention" for _ in m3.layer_types))
+    assert block_major_reserve(dense, EngineConfig(), 4, 2) == 0
