@@ -32,19 +32,18 @@ _BIG = tl.constexpr(1 << 30)  # "no block": sorts after every real block id (a c
 
 
 @triton.jit
-def _tile_step(q, k_ptrs, v_ptrs, keys, pos, ok, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,
-               MASK: tl.constexpr):
-    # one key tile [BN] for the program's M rows: the online-softmax update. ok [M] (sparse: the row's token
-    # selected this block); keys [BN] absolute key positions; pos [M] row positions (-1: padding row).
-    k = tl.load(k_ptrs)
-    v = tl.load(v_ptrs)
+def _scores(q, k, qk_scale_log2, DOT_FP32: tl.constexpr):
+    # q [M, D] against a key tile k [BN, D] -> base-2 logits [M, BN] (fp32 parity runs: IEEE fp32 dots)
     if DOT_FP32:
         qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale_log2
-    if MASK:
-        qk = tl.where((keys[None, :] <= pos[:, None]) & ok[:, None], qk, float("-inf"))
+    return qk * qk_scale_log2
+
+
+@triton.jit
+def _softmax_update(qk, v, m_i, l_i, acc, DOT_FP32: tl.constexpr):
+    # the online-softmax update of rows [M] by one tile's masked logits qk [M, BN] and values v [BN, D]
     m_new = tl.maximum(m_i, tl.max(qk, axis=1))
     # a row that sees no key of this tile (yet) keeps m = -inf: shift by 0 then, never by -inf
     m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
@@ -56,6 +55,17 @@ def _tile_step(q, k_ptrs, v_ptrs, keys, pos, ok, m_i, l_i, acc, qk_scale_log2, D
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _tile_step(q, k_ptrs, v_ptrs, keys, pos, ok, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,
+               MASK: tl.constexpr):
+    # one key tile [BN] for the program's M rows. ok [M] (sparse: the row's token selected this block); keys [BN]
+    # absolute key positions; pos [M] row positions (-1: padding row).
+    qk = _scores(q, tl.load(k_ptrs), qk_scale_log2, DOT_FP32)
+    if MASK:
+        qk = tl.where((keys[None, :] <= pos[:, None]) & ok[:, None], qk, float("-inf"))
+    return _softmax_update(qk, tl.load(v_ptrs), m_i, l_i, acc, DOT_FP32)
 
 
 @step_jit(ints=("pt_st_r", "num_tiles"), ptrs=("pt_ptr", "qsl_ptr", "pos_ptr"))

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import arrival_counters, next_pow2, runnable
+from kernels.prefill_attention import _scores, _softmax_update
 
 _LOG2E = 1.4426950408889634
 _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never ask for the causal mask
@@ -81,6 +82,18 @@ def workspace_bytes(num_rows: int, num_kv_heads: int, topk: int, group: int, hea
 
 # ---- the work list ----------------------------------------------------------------------------------------------
 
+@triton.jit
+def _upper_bound(arr_ptr, x, lo, hi, want, steps):
+    # per lane: the first index in [lo, hi) whose ascending arr value is > x (hi if none), in `steps` halvings
+    for _ in range(steps):
+        live = lo < hi
+        mid = (lo + hi) // 2
+        right = tl.load(arr_ptr + mid, mask=live & want, other=0) <= x
+        lo = tl.where(live & right, mid + 1, lo)
+        hi = tl.where(live & ~right, mid, hi)
+    return lo
+
+
 # host ints that change from step to step are not specialised on (== 1, divisible by 16): no compile mid-serving
 @triton.jit(do_not_specialize=["num_pairs", "row0", "num_requests", "search_steps", "width"])
 def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0, num_requests, search_steps,
@@ -94,14 +107,8 @@ def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0,
     ok = inb & (blk >= 0) & (blk < width)  # an id past the table would count outside the key space
     # the row's request: the first r in [1, R] with qsl[r] > row, less one (qsl[R] is past every prompt row)
     grow = row0 + row
-    lo = tl.full([BLOCK], 1, tl.int32)
-    hi = tl.full([BLOCK], 0, tl.int32) + num_requests
-    for _ in range(search_steps):
-        live = lo < hi
-        mid = (lo + hi) // 2
-        right = tl.load(qsl_ptr + mid, mask=live & inb, other=0) <= grow
-        lo = tl.where(live & right, mid + 1, lo)
-        hi = tl.where(live & ~right, mid, hi)
+    lo = _upper_bound(qsl_ptr, grow, tl.full([BLOCK], 1, tl.int32), tl.full([BLOCK], 0, tl.int32) + num_requests,
+                      inb, search_steps)
     key = tl.where(ok, (h * num_requests + lo - 1) * width + blk, -1)
     rank = tl.atomic_add(cnt_ptr + key, 1, mask=ok)
     tl.store(key_ptr + p, key, mask=inb)
@@ -141,14 +148,8 @@ def _scatter_kernel(key_ptr, rank_ptr, seg_ptr, pend_ptr, perm_ptr, item_ptr, nu
     tl.store(perm_ptr + dst, i, mask=ok)
     # program i to its segment: the first key whose running program count passes i (-1 past the last program)
     want = i < num_items
-    lo = tl.zeros([BLOCK], tl.int32)
-    hi = tl.zeros([BLOCK], tl.int32) + num_keys
-    for _ in range(search_steps):
-        live = lo < hi
-        mid = (lo + hi) // 2
-        right = tl.load(pend_ptr + mid, mask=live & want, other=0) <= i
-        lo = tl.where(live & right, mid + 1, lo)
-        hi = tl.where(live & ~right, mid, hi)
+    lo = _upper_bound(pend_ptr, i, tl.zeros([BLOCK], tl.int32), tl.zeros([BLOCK], tl.int32) + num_keys, want,
+                      search_steps)
     tl.store(item_ptr + i, tl.where(lo < num_keys, lo, -1), mask=want)
 
 
@@ -210,29 +211,15 @@ def build_work_list(block_ids: torch.Tensor, query_start_loc: torch.Tensor, row0
 @triton.jit
 def _block_step(q, k, v, keys, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,
                 MASK_BRANCH: tl.constexpr):
-    # one K/V tile [BN, D] held by the program against the sub-tile's rows [M]: the online-softmax update.
-    # keys [BN] absolute key positions, pos [M] row positions; need_mask: some row sees only part of the tile.
-    if DOT_FP32:
-        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale_log2
+    # one K/V tile [BN, D] held by the program against the sub-tile's rows [M] (prefill_attention's softmax
+    # update). keys [BN] absolute key positions, pos [M] row positions; need_mask: some row sees only part of it.
+    qk = _scores(q, k, qk_scale_log2, DOT_FP32)
     if MASK_BRANCH:
         if need_mask:
             qk = tl.where(keys[None, :] <= pos[:, None], qk, float("-inf"))
     else:
         qk = tl.where(keys[None, :] <= pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    # a row that sees no key of this tile keeps m = -inf: shift by 0 then, never by -inf
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT_FP32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return _softmax_update(qk, v, m_i, l_i, acc, DOT_FP32)
 
 
 @triton.jit(do_not_specialize=["num_requests", "width"])
