@@ -235,9 +235,10 @@ def test_one_unified_replica_is_a_direct_target_placed_and_released_in_one_call(
     assert inflight(serve_app) == {"unified-0": 0}
 
 
-def test_http_requests_start_directly_and_are_counted_until_their_stream_ends(serve_app):
-    """Through the ingress (one unified replica): the request reaches the engine without a `route` call, and
-    the router counts it on its replica while it streams (told within the flush interval) and not after."""
+def test_http_requests_are_counted_on_their_replica_until_their_stream_ends(serve_app):
+    """Through the ingress (one unified replica, so it starts the request itself: the router's `direct_target`
+    above) the router still counts the request on its replica while it streams (told with the batched release
+    call, within its flush interval) and not after. That the ingress made no `route` call is not observed here."""
     serve_app.wait_idle()
     routed_before = sum(r["counters"].get("started", 0) for r in serve_app.engine_stats())
     client = serve_app.client()
