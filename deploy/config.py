@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from deploy.http_front import HttpProxy
 from workers.config import EngineConfig, ParallelConfig, Role
 from workers.configio import ConfigError, from_dict, read_yaml
 from workers.kv.config import TransferConfig  # the one transfer config: engines and router read it as it is
@@ -48,6 +49,9 @@ class GroupConfig:
 class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # what answers the port before the Ingress replicas: Serve's Python proxy, or HAProxy in front of the Ingress
+    # replicas' own HTTP servers (deploy/http_front.py; a setting of the Ray cluster, see docs/operations.md)
+    proxy: HttpProxy = "serve"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
+
+from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env
 
 APP_NAME = "m3serve"
 # A local cluster for one machine: the object store only carries small messages (token ids, deltas).
@@ -31,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", choices=("cpu", "cuda"), help="where the engines run (default: cpu)")
     add("--host", help="HTTP host (default: 127.0.0.1)")
     add("--port", type=int, help="HTTP port (default: 8000)")
+    add("--http-proxy", choices=HTTP_PROXIES,
+        help="what answers the HTTP port: Serve's Python proxy (serve, default) or HAProxy in front of the Ingress "
+             "replicas' own HTTP servers (haproxy; fewer hops: docs/operations.md)")
     add("--tp", type=int, help="tensor-parallel size of each engine replica")
     add("--ep", type=int, help="expert-parallel size of each engine replica")
     add("--dp", type=int, help="attention-data-parallel size of each engine replica")
@@ -85,6 +92,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     put("drain_grace_s", getattr(args, "drain_grace", None))
     put("http.host", args.host)
     put("http.port", args.port)
+    put("http.proxy", getattr(args, "http_proxy", None))
     put("unified.tp", args.tp)
     put("unified.ep", args.ep)
     put("unified.dp", args.dp)
@@ -109,19 +117,31 @@ def _say(msg: str) -> None:
     print(f"m3serve: {msg}", file=sys.stderr, flush=True)
 
 
-def _start_ray(args: argparse.Namespace, host: str) -> None:
+def _start_ray(args: argparse.Namespace, host: str, proxy: str) -> str | None:
+    """Start (or join) Ray with what `proxy` needs. Returns the directory made for HAProxy's files, if any."""
     import ray
 
     # No usage reports from a serving box; loopback-only clusters stay on 127.0.0.1 (see docs/operations.md).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if args.address:
+        if proxy != "serve":
+            _say(f"http.proxy {proxy}: a cluster you join has its Ray processes' environment already; it takes "
+                 f"effect only if `ray start` ran with {' '.join(f'{k}={v}' for k, v in HAPROXY_SWITCHES.items())}"
+                 " on every node (docs/operations.md)")
         ray.init(address=args.address, log_to_driver=False)
-        return
+        return None
     if host in LOOPBACK:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray's processes read these when they start, from the environment they inherit from this one. This process
+    # imported Serve already and keeps the defaults it read (its handle calls need no direct ingress).
+    # A short path: Ray puts HAProxy's sockets two levels below it, and a socket path has at most 97 characters.
+    state_dir = tempfile.mkdtemp(prefix="m3hap-", dir="/tmp") if proxy == "haproxy" else None
+    for key, value in local_ray_env(proxy, state_dir).items():
+        os.environ[key] = value if key in HAPROXY_SWITCHES else os.environ.get(key, value)
     extra = {} if args.metrics_port is None else {"_metrics_export_port": args.metrics_port}
     ray.init(address="local", num_cpus=args.num_cpus or os.cpu_count(), include_dashboard=False,
              object_store_memory=LOCAL_OBJECT_STORE_BYTES, log_to_driver=False, **extra)
+    return state_dir
 
 
 def _wait_ready(router: Any, stop: threading.Event) -> dict:
@@ -205,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
 
     host, port = config.http.host, config.http.port
     _say(f"starting Ray ({'joining ' + args.address if args.address else 'local instance'})")
-    _start_ray(args, host)
+    state_dir = _start_ray(args, host, config.http.proxy)
     for sig in previous:
         signal.signal(sig, on_signal)
     code = 0
@@ -236,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _shutdown(args)
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
     return code
 
 

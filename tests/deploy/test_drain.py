@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.deploy.test_metrics_api_e2e import _Server
 
@@ -47,8 +48,11 @@ def _get(url: str) -> httpx.Response:
     return httpx.get(url, timeout=30)
 
 
-def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
-    server = _Server(tmp_path, "--drain-grace", str(GRACE_S))
+@pytest.mark.parametrize("proxy", ["serve", "haproxy"])
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, proxy):
+    """Through either front of the API port (deploy/http_front.py): Serve's proxy, or HAProxy before the Ingress
+    replica's own HTTP server."""
+    server = _Server(tmp_path, "--drain-grace", str(GRACE_S), "--http-proxy", proxy)
     try:
         server.wait_ready()
         model = _get(f"{server.base}/v1/models").json()["data"][0]

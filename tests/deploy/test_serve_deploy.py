@@ -20,6 +20,8 @@ import httpx
 import pytest
 import yaml
 
+from deploy.http_front import local_ray_env
+from tests.deploy.procs import listener
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "serve_deploy_example.yaml"
@@ -31,13 +33,15 @@ def _run(args: list[str], env: dict, timeout: float = 120) -> subprocess.Complet
 
 
 @pytest.fixture
-def ray_head(serve_helpers):
-    """A `ray start --head --block` on 127.0.0.1 with free ports; yields (dashboard URL, env)."""
+def ray_head(serve_helpers, request):
+    """A `ray start --head --block` on 127.0.0.1 with free ports; yields (dashboard URL, env). Parametrised
+    indirectly by the HTTP front its environment sets up (deploy/http_front.py; default Serve's proxy)."""
     temp_dir = tempfile.mkdtemp(prefix="m3d", dir="/tmp")  # short: Ray's unix socket paths are length-limited
     ports = {name: serve_helpers.free_port() for name in ("gcs", "dash", "agent_http", "agent_grpc", "client", "metrics",
                                             "runtime_env", "node_manager", "object_manager")}
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           **local_ray_env(getattr(request, "param", "serve"), f"{temp_dir}/h")}
     env.pop("RAY_ADDRESS", None)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
            f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dash']}",
@@ -86,7 +90,10 @@ def _stop_group(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+@pytest.mark.parametrize("ray_head", ["serve", "haproxy"], indirect=True)
 def test_serve_deploy_example_serves(ray_head, serve_helpers, tmp_path):
+    """The example file on a cluster started as docs/operations.md says, with either HTTP front (HAProxy: the
+    switches in `ray start`'s environment; the port is then HAProxy's)."""
     dashboard, env = ray_head
     config = yaml.safe_load(EXAMPLE.read_text())
     # The documented file as is, except the HTTP port (8000 may be taken by another server on this machine).
@@ -112,6 +119,8 @@ def test_serve_deploy_example_serves(ray_head, serve_helpers, tmp_path):
         chunks = list(client.chat.completions.create(model="m3-tiny", messages=[{"role": "user", "content": "hi"}],
                                                      max_tokens=4, stream=True))
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        front = "haproxy" if env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "ray::ProxyActor"
+        assert listener(port)[1] == front
         status = _run([str(BIN / "serve"), "status", "--address", dashboard], env)
         assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
     finally:
@@ -165,9 +174,10 @@ def test_cli_flags_override_the_config_file_and_bad_args_are_named():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--config", "configs/serve/cpu-local.yaml", "--port", "9001", "--max-model-len", "300",
-                              "--replicas", "2", "--api-key", "k"])
+                              "--replicas", "2", "--api-key", "k", "--http-proxy", "haproxy"])
     cfg = config_from_args({"config_file": args.config, "overrides": overrides_from_args(args)})
     assert cfg.http.port == 9001 and cfg.http.host == "127.0.0.1"  # flag wins; the file's host stays
+    assert cfg.http.proxy == "haproxy"
     assert cfg.engine.max_model_len == 300 and cfg.engine.max_num_seqs == 32  # flag; file
     assert cfg.unified.replicas == 2 and cfg.api_key == "k"
     assert overrides_from_args(parser.parse_args([])) == {}  # flags not given override nothing
@@ -175,6 +185,8 @@ def test_cli_flags_override_the_config_file_and_bad_args_are_named():
         config_from_args({"confg": {}})
     with pytest.raises(ConfigError, match="max_num_seq"):
         config_from_args({"config": {"engine": {"max_num_seq": 3}}})
+    with pytest.raises(ConfigError, match="http.proxy"):
+        config_from_args({"config": {"http": {"proxy": "nginx"}}})
     # the disaggregated GPU preset builds one engine deployment per role (Ray's own builder, no cluster needed)
     from ray.serve._private.build_app import build_app as resolve_deployments
 

