@@ -224,15 +224,22 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     host, port = config.http.host, config.http.port
-    _say(f"starting Ray ({'joining ' + args.address if args.address else 'local instance'})")
-    state_dir = _start_ray(args, host, config.http.proxy)
+    # Ours from the start: a signal while Ray starts only sets `stop`, and we stop once it is up (before, a Ctrl-C
+    # there was lost and the server came up anyway). Again after: `ray.init` sets its own SIGTERM handler.
     for sig in previous:
         signal.signal(sig, on_signal)
-    code = 0
+    code, state_dir, deployed = 0, None, False
     try:
+        _say(f"starting Ray ({'joining ' + args.address if args.address else 'local instance'})")
+        state_dir = _start_ray(args, host, config.http.proxy)
+        for sig in previous:
+            signal.signal(sig, on_signal)
+        if stop.is_set():
+            return 0
         serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
         _say(f"deploying {model_dir} on {config.device}")
         app = build_app(build_args)
+        deployed = True
         serve.run(app, name=APP_NAME, route_prefix="/", logging_config={"enable_access_log": False})
         router = serve.get_deployment_handle("Router", app_name=APP_NAME)
         state = _wait_ready(router, stop)
@@ -255,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        _shutdown(args)
+        _shutdown(args, deployed)
         if state_dir is not None:
             shutil.rmtree(state_dir, ignore_errors=True)
     return code
@@ -283,13 +290,14 @@ def _drain(config: Any) -> None:
          f"{ended} ended with an error after the grace period")
 
 
-def _shutdown(args: argparse.Namespace) -> None:
+def _shutdown(args: argparse.Namespace, deployed: bool) -> None:
     import ray
     from ray import serve
 
     try:
         if args.address:
-            serve.delete(APP_NAME)  # a shared cluster: remove only our app
+            if deployed:  # a shared cluster: remove only our app, and only if we deployed it
+                serve.delete(APP_NAME)
         else:
             serve.shutdown()
     except Exception as e:  # best effort; ray.shutdown below ends the local instance anyway

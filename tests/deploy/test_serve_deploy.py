@@ -165,6 +165,30 @@ def test_cli_serve_answers_then_stops_cleanly_on_sigterm(serve_helpers):
         _stop_group(proc)
 
 
+def test_cli_serve_stops_on_ctrl_c_while_ray_starts(serve_helpers):
+    """Ctrl-C (SIGINT) as soon as `m3serve serve` says it starts Ray: it stops there, exit 0, never ready. It used
+    to be lost inside Ray's start: the server came up and served until a second signal."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([str(BIN / "m3serve"), "serve", "--port", str(serve_helpers.free_port()), "--num-cpus",
+                             "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # up to the line that says Ray is starting
+            lines.append(line)
+            if "starting Ray" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+        text = "".join(lines) + out
+        assert proc.returncode == 0, text
+        assert "SIGINT: shutting down" in text and "stopped" in text, text
+        assert "Ctrl-C stops the server" not in text, text
+    finally:
+        _stop_group(proc)
+
+
 def test_cli_flags_override_the_config_file_and_bad_args_are_named():
     import argparse
 
