@@ -24,6 +24,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -45,6 +46,12 @@ RELEASE_FLUSH_S = 0.05  # ended direct streams wait this long for a router call 
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the open streams ended
 DRAIN_CLOSE_S = 5.0  # after the grace period, how long the ended streams' consumers get to close them
 T = TypeVar("T")
+# The ingress's calls to engine replicas (start, stop / abort, the subscription stream) go over Serve's
+# inter-deployment gRPC (`_by_reference=False`: every replica runs that server) instead of Ray actor calls whose
+# results travel as object refs. On the CPU proxy (docs/benchmarks.md S1) it cut the ingress's CPU per token by a
+# quarter to a half and TTFT at 16 streams by 12-50%; not yet measured on the GPU machine.
+# M3SERVE_ENGINE_GRPC=0 (the ingress replicas' environment) goes back to actor calls.
+ENGINE_CALLS_BY_REFERENCE = os.environ.get("M3SERVE_ENGINE_GRPC", "1") == "0"
 
 
 def detached(call: Callable[..., T], *args: Any) -> T:
@@ -260,7 +267,8 @@ class EngineStreams:
         key = (r.app_name, r.deployment)
         handle = self._handles.get(key)
         if handle is None:
-            handle = self._handles[key] = serve.get_deployment_handle(r.deployment, app_name=r.app_name)
+            handle = serve.get_deployment_handle(r.deployment, app_name=r.app_name)
+            handle = self._handles[key] = handle.options(_by_reference=ENGINE_CALLS_BY_REFERENCE)
         return handle
 
     def _background(self, work: Any, what: str) -> None:
