@@ -323,9 +323,9 @@ def run_serve(args) -> dict[str, Any]:
 
     # Serve reads its knobs when a process imports it: set here (after this driver imported it with the
     # defaults, which its synchronous handle calls need), they reach only the Ray processes started below.
-    from deploy.http_front import local_ray_env
+    from deploy.http_front import local_ray_env, make_state_dir
 
-    state_dir = tempfile.mkdtemp(prefix="m3hap-", dir="/tmp")  # short: HAProxy's socket paths go below it
+    state_dir = make_state_dir()
     os.environ.update(local_ray_env(args.http_proxy, state_dir))
     for item in args.serve_env:
         key, _, value = item.partition("=")

@@ -302,10 +302,10 @@ class Child:
         # The checkpoint is written (GPU draws + file writes, GIL mostly released) while Ray starts.
         from concurrent.futures import ThreadPoolExecutor
 
-        from deploy.http_front import local_ray_env
+        from deploy.http_front import local_ray_env, make_state_dir
 
         # what answers the HTTP port (`m3serve serve --http-proxy`): read by the Ray processes started below
-        state_dir = tempfile.mkdtemp(prefix="m3hap-", dir="/tmp")  # HAProxy's files (short: socket paths below it)
+        state_dir = make_state_dir()
         os.environ.update(local_ray_env(self.args.http_proxy, state_dir))
         t0 = time.monotonic()
         with ThreadPoolExecutor(1) as pool:

@@ -15,6 +15,7 @@ the environment of `ray start` (docs/operations.md). This module only names them
 from __future__ import annotations
 
 import socket
+import tempfile
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -40,6 +41,12 @@ def haproxy_node_env(state_dir: Path, stats_port: int, metrics_port: int) -> dic
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
     }
+
+
+def make_state_dir() -> str:
+    """A fresh directory for one instance's HAProxy files. Short, under /tmp: Ray puts HAProxy's sockets two levels
+    below it, and a socket path has at most 97 characters (a longer prefix broke HAProxy's start)."""
+    return tempfile.mkdtemp(prefix="m3hap-", dir="/tmp")
 
 
 def free_port() -> int:

@@ -13,12 +13,11 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
-from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env
+from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env, make_state_dir
 
 APP_NAME = "m3serve"
 # A local cluster for one machine: the object store only carries small messages (token ids, deltas).
@@ -134,8 +133,7 @@ def _start_ray(args: argparse.Namespace, host: str, proxy: str) -> str | None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray's processes read these when they start, from the environment they inherit from this one. This process
     # imported Serve already and keeps the defaults it read (its handle calls need no direct ingress).
-    # A short path: Ray puts HAProxy's sockets two levels below it, and a socket path has at most 97 characters.
-    state_dir = tempfile.mkdtemp(prefix="m3hap-", dir="/tmp") if proxy == "haproxy" else None
+    state_dir = make_state_dir() if proxy == "haproxy" else None
     for key, value in local_ray_env(proxy, state_dir).items():
         os.environ[key] = value if key in HAPROXY_SWITCHES else os.environ.get(key, value)
     extra = {} if args.metrics_port is None else {"_metrics_export_port": args.metrics_port}
