@@ -14,6 +14,7 @@ the environment of `ray start` (docs/operations.md). This module only names them
 """
 from __future__ import annotations
 
+import random
 import socket
 import tempfile
 from pathlib import Path
@@ -49,15 +50,58 @@ def make_state_dir() -> str:
     return tempfile.mkdtemp(prefix="m3hap-", dir="/tmp")
 
 
+# Ports handed out by `free_ports`: below the kernel's ephemeral range (Linux's default starts at 32768), above
+# Ray's worker ports (10002-19999) and below its direct-ingress replica ports (30000-31000).
+PICK_RANGE = (20000, 29999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int, rng: random.Random | None = None) -> list[int]:
+    """`n` distinct ports free on every interface, none in the kernel's ephemeral range. A port asked of the kernel
+    (`bind(0)`) is free only until its socket closes: the next `bind(0)` or any outgoing connection may get the
+    same one before its server binds it (CI: a Ray dashboard port handed out again as HAProxy's stats port, which
+    HAProxy binds only at the first deploy). Picking outside the ephemeral range leaves only explicit binds to
+    race with, and holding every probe socket until all `n` are picked makes them distinct."""
+    rng = rng or random.SystemRandom()
+    low, high = PICK_RANGE
+    e_low, e_high = _ephemeral_range()
+    candidates = [p for p in range(low, high + 1) if not e_low <= p <= e_high]
+    assert len(candidates) >= n, f"no ports outside the ephemeral range {e_low}-{e_high}"
+    rng.shuffle(candidates)
+    held: list[socket.socket] = []
+    try:
+        for port in candidates:
+            s = socket.socket()
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+            if len(held) == n:
+                return [h.getsockname()[1] for h in held]
+        raise OSError(f"fewer than {n} free ports in {low}-{high}")
+    finally:
+        for h in held:
+            h.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
-def local_ray_env(proxy: HttpProxy, state_dir: str | Path | None) -> dict[str, str]:
+def local_ray_env(proxy: HttpProxy, state_dir: str | Path | None,
+                  haproxy_ports: tuple[int, int] | None = None) -> dict[str, str]:
     """The environment a local Ray instance needs for `proxy` (empty for Serve's own proxy); HAProxy's files go
-    in `state_dir`."""
+    in `state_dir`, its (stats, metrics) ports are `haproxy_ports` (default: two `free_ports`; a caller that picks
+    the instance's other ports too passes them from the same pick, so that none is handed out twice)."""
     if proxy == "serve":
         return {}
     assert state_dir is not None, "haproxy needs a directory for its files"
@@ -66,4 +110,4 @@ def local_ray_env(proxy: HttpProxy, state_dir: str | Path | None) -> dict[str, s
     # a fraction of a second, and `m3serve serve` drains the Ingress before it stops Serve: 30 s would only delay
     # every shutdown.
     local = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2"}
-    return {**HAPROXY_SWITCHES, **haproxy_node_env(state_dir, free_port(), free_port()), **local}
+    return {**HAPROXY_SWITCHES, **haproxy_node_env(state_dir, *(haproxy_ports or free_ports(2))), **local}

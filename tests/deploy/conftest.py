@@ -8,7 +8,6 @@ the same Serve instance under its own route prefix.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from deploy.http_front import free_port, free_ports
 
 API_KEY = "test-key"
 APP_NAME = "m3"
@@ -29,12 +30,6 @@ TEST_CONFIG: dict[str, Any] = {
     "unified": {"num_cpus_per_shard": 0.5},
 }
 READY_TIMEOUT_S = 180
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(base_url: str, timeout: float = READY_TIMEOUT_S, expect: int = 200) -> httpx.Response:
@@ -157,12 +152,11 @@ def serve_app() -> ServeApp:
     model_dir = resolve_model_dir(cfg)  # writes the tiny model once, before the replicas race for it
     # Workers report metrics to the node's agent every 10 s by default; the Prometheus test would wait that long.
     os.environ.setdefault("RAY_metrics_report_interval_ms", "500")
-    metrics_port = free_port()
+    metrics_port, port = free_ports(2)
     # address="local": never join a cluster someone started with `ray start` on this machine.
     ray.init(address="local", num_cpus=4, object_store_memory=256 * 2**20, include_dashboard=False,
              log_to_driver=bool(os.environ.get("M3SERVE_TEST_RAY_LOGS")), configure_logging=False,
              _metrics_export_port=metrics_port)
-    port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config={"enable_access_log": False})
         serve.run(build_drill_app({"config": TEST_CONFIG}), name=APP_NAME, route_prefix="/",

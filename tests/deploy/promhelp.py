@@ -9,23 +9,18 @@ import math
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from deploy.http_front import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "m3serve.rules.yml"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "m3serve.rules.test.yml"
 DASHBOARD = REPO / "deploy" / "dashboards" / "m3serve.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dashboard_queries(rate_interval: str = "1m") -> list[tuple[str, str, str]]:

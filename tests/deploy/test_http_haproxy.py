@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env
+from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range, free_ports, local_ray_env
 from tests.deploy.procs import listener
 from tests.deploy.test_metrics_api_e2e import _Server
 
@@ -49,6 +50,20 @@ def test_local_env_names_haproxy_files_in_the_given_directory(tmp_path):
     assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] != env["RAY_SERVE_HAPROXY_METRICS_PORT"]
     assert HTTP_PROXIES == ("serve", "haproxy")
+    given = local_ray_env("haproxy", tmp_path, (20001, 20002))
+    assert (given["RAY_SERVE_HAPROXY_STATS_PORT"], given["RAY_SERVE_HAPROXY_METRICS_PORT"]) == ("20001", "20002")
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
+    """Ports the kernel hands out (`bind(0)`) can come back from the next `bind(0)` before their server binds them;
+    ours never come from that range, and one pick never holds a port twice."""
+    low, high = _ephemeral_range()
+    for _ in range(20):
+        ports = free_ports(12)
+        assert len(set(ports)) == 12
+        assert not any(low <= p <= high for p in ports)
+    with socket.socket() as s:  # still free after the pick
+        s.bind(("0.0.0.0", ports[0]))
 
 
 @pytest.fixture(scope="module")

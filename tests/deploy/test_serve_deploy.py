@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from deploy.http_front import local_ray_env
+from deploy.http_front import free_ports, local_ray_env
 from tests.deploy.procs import listener
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,11 +37,13 @@ def ray_head(serve_helpers, request):
     """A `ray start --head --block` on 127.0.0.1 with free ports; yields (dashboard URL, env). Parametrised
     indirectly by the HTTP front its environment sets up (deploy/http_front.py; default Serve's proxy)."""
     temp_dir = tempfile.mkdtemp(prefix="m3d", dir="/tmp")  # short: Ray's unix socket paths are length-limited
-    ports = {name: serve_helpers.free_port() for name in ("gcs", "dash", "agent_http", "agent_grpc", "client", "metrics",
-                                            "runtime_env", "node_manager", "object_manager")}
+    names = ("gcs", "dash", "agent_http", "agent_grpc", "client", "metrics", "runtime_env", "node_manager",
+             "object_manager", "haproxy_stats", "haproxy_metrics")
+    ports = dict(zip(names, free_ports(len(names))))  # one pick: all distinct (CI once got one port twice)
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           **local_ray_env(getattr(request, "param", "serve"), f"{temp_dir}/h")}
+           **local_ray_env(getattr(request, "param", "serve"), f"{temp_dir}/h",
+                           (ports["haproxy_stats"], ports["haproxy_metrics"]))}
     env.pop("RAY_ADDRESS", None)
     cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
            f"--port={ports['gcs']}", "--dashboard-host=127.0.0.1", f"--dashboard-port={ports['dash']}",
