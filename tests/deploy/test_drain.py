@@ -11,7 +11,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.deploy.test_metrics_api_e2e import _Server
 
@@ -48,52 +47,57 @@ def _get(url: str) -> httpx.Response:
     return httpx.get(url, timeout=30)
 
 
-@pytest.mark.parametrize("proxy", ["serve", "haproxy"])
-def test_sigterm_drains_in_flight_requests_then_exits(tmp_path, proxy):
-    """Through either front of the API port (deploy/http_front.py): Serve's proxy, or HAProxy before the Ingress
-    replica's own HTTP server."""
-    server = _Server(tmp_path, "--drain-grace", str(GRACE_S), "--http-proxy", proxy)
+def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
+    """Through Serve's proxy; through HAProxy the same check runs in tests/deploy/test_http_haproxy.py, on the server
+    that file already started."""
+    server = _Server(tmp_path, "--drain-grace", str(GRACE_S))
     try:
         server.wait_ready()
-        model = _get(f"{server.base}/v1/models").json()["data"][0]
-        common = {"model": model["id"], "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
-        # short: a few tokens, done well within the grace period; long: the whole context, minutes on CPU
-        short = _Reader(server.base, {**common, "max_tokens": 24})
-        long = _Reader(server.base, {**common, "max_tokens": model["max_model_len"] - len(PROMPT)})
-        long.start()
-        assert long.first.wait(120) and long.error is None, long.error
-        short.start()
-        assert short.first.wait(120) and short.error is None, short.error
-        signalled = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-
-        deadline = time.monotonic() + 30
-        while (ready := _get(f"{server.base}/health/ready")).status_code == 200:
-            assert time.monotonic() < deadline, "readiness never went 503 after SIGTERM"
-            time.sleep(0.1)
-        assert ready.status_code == 503 and ready.json()["error"]["code"] == "shutting_down", ready.text
-        assert _get(f"{server.base}/health").status_code == 503
-        live = _get(f"{server.base}/health/live")
-        assert live.status_code == 200 and live.json()["draining"] is True
-        refused = httpx.post(f"{server.base}/v1/completions", json={**common, "max_tokens": 2}, timeout=30)
-        assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
-        assert refused.json()["error"]["code"] == "shutting_down"
-
-        short.join(60)
-        long.join(60)
-        assert short.error is None and long.error is None, (short.error, long.error)
-        # the short one finished normally
-        assert short.events[-1] == "[DONE]" and not any('"error"' in e for e in short.events), short.events[-3:]
-        assert json.loads(short.events[-2])["choices"][0]["finish_reason"] == "length"
-        # the long one: tokens, then the error event, then [DONE]
-        assert long.events[-1] == "[DONE]", long.events[-3:]
-        error = json.loads(long.events[-2])["error"]
-        assert error["code"] == "shutting_down" and "grace period" in error["message"], error
-        assert sum('"choices"' in e for e in long.events) > 1
-        # and the process exits on its own: within the grace period plus a bound (before: 32.6 s at best)
-        assert server.proc.wait(timeout=GRACE_S + 40) == 0, server.log_path.read_text()[-3000:]
-        log = server.log_path.read_text(errors="replace")
-        assert "failed to shut down" not in log, log[-3000:]
-        print(f"exit {time.monotonic() - signalled:.1f} s after SIGTERM (grace {GRACE_S} s)")
+        check_sigterm_drain(server)
     finally:
         server.stop()
+
+
+def check_sigterm_drain(server: _Server) -> None:
+    """SIGTERM `server` (started with `--drain-grace GRACE_S`, idle) while a short and a long stream run; every
+    promise of the module docstring, up to the process's exit with status 0."""
+    model = _get(f"{server.base}/v1/models").json()["data"][0]
+    common = {"model": model["id"], "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
+    # short: a few tokens, done well within the grace period; long: the whole context, minutes on CPU
+    short = _Reader(server.base, {**common, "max_tokens": 24})
+    long = _Reader(server.base, {**common, "max_tokens": model["max_model_len"] - len(PROMPT)})
+    long.start()
+    assert long.first.wait(120) and long.error is None, long.error
+    short.start()
+    assert short.first.wait(120) and short.error is None, short.error
+    signalled = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+
+    deadline = time.monotonic() + 30
+    while (ready := _get(f"{server.base}/health/ready")).status_code == 200:
+        assert time.monotonic() < deadline, "readiness never went 503 after SIGTERM"
+        time.sleep(0.1)
+    assert ready.status_code == 503 and ready.json()["error"]["code"] == "shutting_down", ready.text
+    assert _get(f"{server.base}/health").status_code == 503
+    live = _get(f"{server.base}/health/live")
+    assert live.status_code == 200 and live.json()["draining"] is True
+    refused = httpx.post(f"{server.base}/v1/completions", json={**common, "max_tokens": 2}, timeout=30)
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+    assert refused.json()["error"]["code"] == "shutting_down"
+
+    short.join(60)
+    long.join(60)
+    assert short.error is None and long.error is None, (short.error, long.error)
+    # the short one finished normally
+    assert short.events[-1] == "[DONE]" and not any('"error"' in e for e in short.events), short.events[-3:]
+    assert json.loads(short.events[-2])["choices"][0]["finish_reason"] == "length"
+    # the long one: tokens, then the error event, then [DONE]
+    assert long.events[-1] == "[DONE]", long.events[-3:]
+    error = json.loads(long.events[-2])["error"]
+    assert error["code"] == "shutting_down" and "grace period" in error["message"], error
+    assert sum('"choices"' in e for e in long.events) > 1
+    # and the process exits on its own: within the grace period plus a bound (before: 32.6 s at best)
+    assert server.proc.wait(timeout=GRACE_S + 40) == 0, server.log_path.read_text()[-3000:]
+    log = server.log_path.read_text(errors="replace")
+    assert "failed to shut down" not in log, log[-3000:]
+    print(f"exit {time.monotonic() - signalled:.1f} s after SIGTERM (grace {GRACE_S} s)")

@@ -4,12 +4,11 @@ that `ray[serve]` installs) on the API port in front of the Ingress replica's ow
 
 Through it: the official `openai` client (chat, streamed completion with usage), a bad request's OpenAI-style 400,
 clients that hang up mid-stream (aborted at the ingress and the engine, nothing left running), health and
-/metrics; then SIGINT stops it within seconds, HAProxy and its files gone. The API port is checked to be
-HAProxy's, so a run that silently fell back to Serve's Python proxy fails."""
+/metrics; then SIGTERM drains it (tests/deploy/test_drain.py's check), HAProxy and its files gone. The API port is
+checked to be HAProxy's, so a run that silently fell back to Serve's Python proxy fails."""
 from __future__ import annotations
 
 import re
-import signal
 import socket
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range, free_ports, local_ray_env
 from tests.deploy.procs import listener
+from tests.deploy.test_drain import GRACE_S, check_sigterm_drain
 from tests.deploy.test_metrics_api_e2e import _Server
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -68,7 +68,7 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = _Server(tmp_path_factory.mktemp("haproxy"), "--http-proxy", "haproxy")
+    server = _Server(tmp_path_factory.mktemp("haproxy"), "--http-proxy", "haproxy", "--drain-grace", str(GRACE_S))
     try:
         server.wait_ready()
         yield server
@@ -118,14 +118,14 @@ def test_hang_ups_through_haproxy_abort_their_requests(server):
     assert httpx.get(f"{server.base}/health/ready", timeout=30).status_code == 200
 
 
-def test_sigint_stops_it_with_haproxy_and_its_files(server):
+def test_sigterm_drains_through_haproxy_then_it_and_its_files_are_gone(server):
+    """Last, on the module's server: the drain of tests/deploy/test_drain.py through HAProxy (in-flight streams
+    finish or end with an error event, new requests 503), then HAProxy and its state directory are gone."""
     haproxy, _ = listener(server.port)
     cmdline = Path(f"/proc/{haproxy}/cmdline").read_bytes().split(b"\0")
     state_dir = Path(next(a for a in cmdline if a.endswith(b"haproxy.cfg")).decode()).parents[1]
     assert state_dir.name.startswith("m3hap-"), state_dir
-    server.proc.send_signal(signal.SIGINT)
-    assert server.proc.wait(timeout=60) == 0, server.log_path.read_text()[-3000:]
-    # Serve stopped in its own time: the Ingress replica did not hold the controller past its shutdown wait (with
-    # Ray's 30 s draining period for direct ingress it did, and the CLI took 35 s to exit)
-    assert "failed to shut down" not in server.log_path.read_text(), server.log_path.read_text()[-3000:]
+    check_sigterm_drain(server)  # ends with the CLI's exit 0, no "failed to shut down" in its log
+    # (Serve stopped in its own time: with Ray's 30 s draining period for direct ingress the Ingress replica held
+    # the controller past its shutdown wait and the CLI took 35 s to exit)
     assert not Path(f"/proc/{haproxy}").exists() and not state_dir.exists()
