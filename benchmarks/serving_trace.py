@@ -170,6 +170,8 @@ class Replica:
         self._marks: dict[tuple[str, str], tuple[float, dict]] = {}
         for t, kind, rid, phases in timeline.get("marks", ()):
             self._marks.setdefault((kind, rid), (t - t0, {k: v - t0 for k, v in (phases or {}).items()}))
+        # the process's garbage collections (deploy/gc_pauses.py): (start, seconds, generation); None: not recorded
+        self.gc = None if "gc" not in timeline else sorted((t - t0, secs, gen) for t, secs, gen, _ in timeline["gc"])
         self._serve: dict[tuple[str, str], float] = {}
         self._chunks: dict[str, list[tuple[float, int]]] = {}  # request id -> (time, tokens) of chunks with tokens
         for t, rid, kind, ntok in timeline.get("serve_marks", ()):
@@ -254,6 +256,19 @@ def step_summary(steps: Sequence[dict]) -> dict[str, Any]:
         out["busy_fraction"] = {k: round(v / busy, 4) for k, v in parts.items()}
         out["not_forward_fraction"] = round(1.0 - parts["forward"] / busy, 4)
     return out
+
+
+def gc_summary(replica: Replica, slow_ms: float = 10.0) -> dict[str, Any] | None:
+    """The replica's collections during its steps, and how many of its steps over `slow_ms` overlap one."""
+    if replica.gc is None or not replica.steps:
+        return None
+    a, b = replica.steps[0]["start"], replica.steps[-1]["end"]
+    pauses = [(t, secs, gen) for t, secs, gen in replica.gc if a <= t <= b]
+    slow = [st for st in replica.steps if (st["end"] - st["start"]) * 1e3 > slow_ms]
+    with_gc = [st for st in slow if any(_overlaps(st["start"], st["end"], t, t + secs) for t, secs, _ in pauses)]
+    return {"n": len(pauses), "gen2": sum(1 for p in pauses if p[2] == 2),
+            "max_ms": max((p[1] * 1e3 for p in pauses), default=0.0),
+            "total_ms": sum(p[1] for p in pauses) * 1e3, "slow_steps": len(slow), "slow_with_gc": len(with_gc)}
 
 
 def handoff_split(req: dict, *, prefill: Replica | None = None, decode: Replica | None = None,
@@ -361,6 +376,7 @@ def diagnose_phase(trace: dict, server: dict[str, dict] | None, *, worst: int = 
     if producer is not None:
         out["steps"] = step_summary(producer.steps)
         out["serve_hops"] = serve_hops(short, producer)
+        out["gc"] = gc_summary(producer)
     if prefill is not None:
         out["prefill_steps"] = step_summary(prefill.steps)
     if producer is not None:
@@ -400,6 +416,11 @@ def format_phase(label: str, short_summary: dict, diag: dict) -> list[str]:
             f"{_pct(bf.get('forward'))}, in-step host {_pct(bf.get('in_step_host'))}, publish "
             f"{_pct(bf.get('publish'))}, between steps {_pct(between)} = not forward "
             f"{_pct(st.get('not_forward_fraction'))}")
+    gcs = diag.get("gc")
+    if gcs:
+        lines.append(f"{pad}gc: {gcs['n']} collections ({gcs['gen2']} full), max {_f(gcs['max_ms'])} ms, total "
+                     f"{_f(gcs['total_ms'])} ms | steps over 10 ms {gcs['slow_steps']}, {gcs['slow_with_gc']} of "
+                     f"them beside a collection")
     pre = diag.get("prefill_steps")
     if pre and pre.get("n"):  # a short prompt's step on the prefill replica is as long as what shares it
         lines.append(f"{pad}prefill replica steps p50/p99/max {_pp(pre['step_ms'], 'p50', 'p99', 'max')}, n "

@@ -33,6 +33,7 @@ from typing import AsyncIterator
 from ray import serve
 
 from deploy.config import ServeConfig
+from deploy.gc_pauses import GcPauses, freeze_loaded_heap
 from deploy.protocol import EngineChunk, EngineError, EngineEvent, EngineRequest, param_of
 from deploy.server_pd import RETRY_AFTER_KV_S, FirstToken, KVSide, TransferOutcome
 from deploy.stream.engine_side import DeltaTracker, Publisher
@@ -123,6 +124,7 @@ class EngineServer(KVSide):
         self._subscriptions = Publisher()  # one stream per ingress replica for all the requests it started here
         # decode: what the prefill answered instead of sending the KV, for the request's stream (fail_remote)
         self._answers: dict[str, EngineEvent] = {}
+        self._gc_pauses = GcPauses().install()  # for debug_timeline: a slow step beside a collection
         self._thread = threading.Thread(target=self._load, name=f"load-{role}-{index}", daemon=True)
         self._thread.start()
 
@@ -153,6 +155,7 @@ class EngineServer(KVSide):
 
             self._engine = AsyncEngine(build_engine)
             self._start_metrics()
+            freeze_loaded_heap()  # collections skip the loaded heap from here on (deploy/gc_pauses.py)
             self._state = "ready"
             self._load_seconds = time.monotonic() - self._load_started
             logger.info("engine %s-%d ready in %.1f s", self._role, self._index, self._load_seconds)
@@ -391,12 +394,13 @@ class EngineServer(KVSide):
 
     async def debug_timeline(self, since: float = 0.0) -> dict:
         """Where this replica's time went since `since` (time.time()): the engine's steps and handoff marks
-        (`AsyncEngine.debug_timeline`) plus this server's `serve_marks` (time, request id, kind, tokens), for
-        benchmarks (bench_serving_pd.py). Bounded rings: the latest ~20k steps and ~100k events."""
+        (`AsyncEngine.debug_timeline`) plus this server's `serve_marks` (time, request id, kind, tokens) and the
+        process's garbage collections (`gc`), for benchmarks (bench_serving_pd.py). Bounded rings: the latest ~20k steps and ~100k events."""
         out = {"role": self._role, "replica": self._index, "steps": [], "marks": [], "now": time.time()}
         if self._engine is not None:
             out.update(self._engine.debug_timeline(since))
         out["serve_marks"] = [m for m in list(self._serve_marks) if m[0] >= since]
+        out["gc"] = self._gc_pauses.since(since)  # (time, seconds, generation, collected)
         return out
 
     def _mark_chunk(self, request_id: str, chunk: EngineChunk) -> None:
@@ -435,6 +439,8 @@ class EngineServer(KVSide):
         return EngineError(status=503, message="engine is loading", code="not_ready", retry_after=5.0)
 
     def __del__(self) -> None:
+        if getattr(self, "_gc_pauses", None) is not None:
+            self._gc_pauses.remove()
         if self._reporter is not None:
             try:
                 self._reporter.stop(flush=False)

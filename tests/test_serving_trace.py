@@ -157,6 +157,21 @@ def test_diagnose_phase_end_to_end_is_json_and_prints_a_few_lines():
     assert alone["worst"][0]["id"] == rid and "steps" not in alone
 
 
+def test_gc_summary_matches_slow_steps_with_collections():
+    tl = timeline(role="unified", steps=[step(0.0, 0.004), step(0.004, 0.03125), step(0.0625, 0.09375),
+                                         step(0.125, 0.128)])
+    tl["gc"] = [[T0 + 0.01, 0.015, 2, 100], [T0 + 0.1, 0.001, 0, 5], [T0 + 5.0, 0.5, 2, 9]]  # the last: after
+    rep = st.Replica(tl, T0)
+    got = st.gc_summary(rep)
+    assert (got["n"], got["gen2"], got["slow_steps"], got["slow_with_gc"]) == (2, 1, 2, 1)
+    assert math.isclose(got["max_ms"], 15.0) and math.isclose(got["total_ms"], 16.0)
+    del tl["gc"]  # a replica that records none (older tree, in-process engine): no summary, no line
+    assert st.gc_summary(st.Replica(tl, T0)) is None
+    trace = {"t0": T0, "short": [req("r", [0.0625, 0.125])]}
+    lines = st.format_phase("[unified] mixed", {}, st.diagnose_phase(trace, {"unified-0": {**tl, "gc": []}}))
+    assert any(line.strip().startswith("gc: 0 collections") and "steps over 10 ms 2" in line for line in lines)
+
+
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location("bench_serving_pd_under_test", BENCH / "bench_serving_pd.py")

@@ -34,3 +34,6 @@ def test_debug_timeline_has_the_steps_and_chunks_of_a_streamed_request(serve_app
     assert sum(m[3] for m in chunks) == 5
     # each chunk left the replica after the step that made its token
     assert chunks[0][0] >= mine[0]["end"] and chunks[-1][0] >= mine[-1]["end"]
+    # the replica's garbage collections since then (deploy/gc_pauses.py): (time, seconds, generation, collected)
+    assert isinstance(tl["gc"], list)
+    assert all(len(p) == 4 and since <= p[0] <= tl["now"] and p[1] >= 0 and p[2] in (0, 1, 2) for p in tl["gc"])
