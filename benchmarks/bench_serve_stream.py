@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving_pd as pd  # noqa: E402  (sets Ray's loopback/no-usage env before ray is imported)
+import serving_trace  # noqa: E402
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -310,6 +311,10 @@ def measure(args, drive, timelines, pids: dict[str, int] | None) -> dict[str, An
     out["cpu"] = cpu_report(before, cpu_snapshot(pids or {}), seconds, out["tokens"])
     timeline = next(iter(timelines(wall0).values()))
     out["engine_step_p50_ms"] = step_p50(timeline)
+    replica = serving_trace.Replica(timeline, wall0)
+    dur = [s["end"] - s["start"] for s in replica.steps if s["prefill_tokens"] == 0]
+    out["decode_step_ms"] = serving_trace.dist_ms(dur)  # slow steps: beside a collection? (gc)
+    out["gc"] = serving_trace.gc_summary(replica)
     out["ttft_split_p50_ms"] = ttft_split(run, timeline)
     for name, proc, path in spies:
         proc.wait()
@@ -377,6 +382,10 @@ def format_result(args, res: dict) -> str:
         lines.append(f"[{mode}] TPOT p50/p90 {r['tpot_p50_ms']}/{r['tpot_p90_ms']} ms, ITL p50 {r['itl_p50_ms']}, "
                      f"TTFT p50 {r['ttft_p50_ms']}, step p50 {r['engine_step_p50_ms']} ms, "
                      f"{r['tok_per_s']} tok/s, {r['tokens_per_chunk']} tok/chunk, failed {r['failed']}")
+        st, gcs = r.get("decode_step_ms") or {}, r.get("gc")
+        lines.append(f"    decode steps p99/max {st.get('p99')}/{st.get('max')} ms" + ("" if not gcs else (
+            f"; gc: {gcs['n']} collections ({gcs['gen2']} full), max {gcs['max_ms']:.1f} ms, steps over 10 ms "
+            f"{gcs['slow_steps']}, {gcs['slow_with_gc']} beside a collection")))
         lines.append("    TTFT split p50 (ms): " + ", ".join(f"{k} {v}" for k, v in r["ttft_split_p50_ms"].items()))
         lines.append("    CPU ms per 1k tokens (% of a core): " + ", ".join(
             f"{n} {c['ms_per_1k_tokens']} ({c['core_pct']}%)" for n, c in r["cpu"].items()))
