@@ -17,6 +17,9 @@ Phases (--phases, comma separated):
   split  the block-major sparse kernel (kernels/prefill_sparse_split.py) on every case of --cases: its rel. error
          vs the token-major kernel, the work list alone, split + merge alone, the total, beside the token-major
          and the shipped times; a launch sweep capped by --split-budget-s (options, then W for the best two)
+  profile the block-major kernel per case of --cases: a few launches timed (PROFILE_OPTIONS), the host time to
+         issue one call, and the device time by kernel (torch profiler) of the default, the best and the
+         token-major kernel
   moe    the routed experts of one m3-slice MoE layer (128 experts of 6144 x 3072, top-4) at T tokens: the
          fused kernel with its default and swept tiles, and torch._grouped_mm (CUTLASS) where torch has it
   PYTHONPATH=$PWD python3 benchmarks/kernels/bench_prefill.py --out $OUT
@@ -342,6 +345,79 @@ def split_phase(args) -> list[dict]:
     return rows
 
 
+# the block-major kernel's launches timed beside its default: pairs per program, bigger sub-tiles
+PROFILE_OPTIONS = [{}, {"pairs": 32}, {"pairs": 128}, {"sub": 8, "num_warps": 8}]
+
+
+def kernel_times(fn, calls: int = 5) -> dict[str, float]:
+    """Device microseconds per call of `fn`, by kernel name (torch profiler; one warm-up call first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us:
+            out[e.key[:60]] = round(us / calls, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def host_ms(fn, calls: int = 20) -> float:
+    """Host milliseconds to issue one call of `fn` (launches only; timed with the queue kept busy by the calls
+    before it, synchronised once at the end)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return host
+
+
+def profile_phase(args) -> list[dict]:
+    """Per case of --cases: the block-major kernel's launches (PROFILE_OPTIONS) timed, and the default's and the
+    best's device time by kernel (work list, split, merge) beside the token-major kernel's."""
+    rows = []
+    for t, ctx in args.cases:
+        c = make_case(t, ctx, seed=3)
+        sel = run_index(c)
+        ref = run_attn(c, sel)
+        row = {"T": t, "ctx": ctx, "token_major": event_ms(lambda: run_attn(c, sel), args.reps),
+               "launches": {json.dumps(o): _time_split(c, sel, o or None, ref, args.reps) for o in PROFILE_OPTIONS}}
+        ok = sorted((v["total"], k) for k, v in row["launches"].items()
+                    if "total" in v and v["rel_vs_token_major"] < 1e-2)
+        row["host_ms"] = {"token_major": host_ms(lambda: run_attn(c, sel)),
+                          "block_major": host_ms(lambda: run_split(c, sel))}
+        row["kernels_token_major"] = kernel_times(lambda: run_attn(c, sel))
+        row["kernels_default"] = kernel_times(lambda: run_split(c, sel))
+        if ok:
+            best = json.loads(ok[0][1]) or None
+            row["best"] = ok[0]
+            row["kernels_best"] = kernel_times(lambda: run_split(c, sel, best))
+        print("profile", json.dumps(row), flush=True)
+        rows.append(row)
+        c = sel = ref = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_profile(rows) -> None:
+    print("\nblock-major launches, ms (eager, CUDA events, median)")
+    for r in rows:
+        cells = "; ".join(f"{k} {_f(v.get('total', v.get('failed')))}" for k, v in r["launches"].items())
+        print(f"{r['T']} x {r['ctx']}: token-major {_f(r['token_major'])} | {cells} | host ms per call "
+              f"{json.dumps({k: round(v, 3) for k, v in r['host_ms'].items()})}")
+        for name in ("kernels_token_major", "kernels_default", "kernels_best"):
+            if name in r:
+                print(f"  {name}: " + "; ".join(f"{k} {v} us" for k, v in list(r[name].items())[:6]))
+
+
 # (block_m, gate_up (block_n, block_k, warps, stages, group_m, tma, half_tail), down (same))
 _GU, _DN = (128, 64, 8, 4, 1), (256, 64, 8, 3, 1)
 MOE_TILES = [(128, _GU + (False, False), _DN + (False, False)),  # 9659e99's default
@@ -463,7 +539,7 @@ def print_tables(result) -> None:
     print("\nprefill kernels, ms (eager, CUDA events, median); floors at 790 TFLOP/s")
     print("| T | ctx | peer index | ours index | peer sparse | ours sparse | sdpa dense (mha / gqa) | ours dense | "
           "sparse floor | dense floor | index floor |")
-    for name in ("check", "sweep", "table", "moe", "split"):
+    for name in ("check", "sweep", "table", "moe", "split", "profile"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
             print(f"phase {name} failed: {result[name]['error'][-300:]}")
             result[name] = [] if name != "check" else result[name]
@@ -487,6 +563,8 @@ def print_tables(result) -> None:
             print(f"  {_f(v)} ms  rel.err {_f(m.get(k + ' rel_err_vs_default'))}  {k}")
     if result.get("split"):
         print_split(result["split"])
+    if isinstance(result.get("profile"), list):
+        print_profile(result["profile"])
     if "check" in result:
         print("check", result["check"])
 
@@ -499,7 +577,8 @@ def main(argv=None) -> int:
               ("sweep", lambda: sweep_phase(args, start + args.budget_s)),
               ("table", lambda: table_phase(args, result.get("sweep", []))),
               ("moe", lambda: moe_phase(args, start + args.budget_s + 60)),
-              ("split", lambda: split_phase(args))]
+              ("split", lambda: split_phase(args)),
+              ("profile", lambda: profile_phase(args))]
     for name, fn in phases:
         if name not in args.phases:
             continue
