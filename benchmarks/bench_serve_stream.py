@@ -328,9 +328,10 @@ def run_serve(args) -> dict[str, Any]:
 
     # Serve reads its knobs when a process imports it: set here (after this driver imported it with the
     # defaults, which its synchronous handle calls need), they reach only the Ray processes started below.
-    from deploy.http_front import local_ray_env, make_state_dir
+    from deploy.http_front import local_ray_env, make_state_dir, resolve_proxy
 
     state_dir = make_state_dir()
+    args.http_proxy = resolve_proxy(args.http_proxy, joining=False)
     os.environ.update(local_ray_env(args.http_proxy, state_dir))
     for item in args.serve_env:
         key, _, value = item.partition("=")
@@ -377,7 +378,7 @@ def run_inproc(args) -> dict[str, Any]:
 
 def format_result(args, res: dict) -> str:
     lines = [f"{args.concurrency} streams x {args.output_len} tokens ({args.num_prompts} requests), "
-             f"{args.step_ms} ms paced steps"]
+             f"{args.step_ms} ms paced steps, HTTP front {args.http_proxy}"]
     for mode, r in res.items():
         lines.append(f"[{mode}] TPOT p50/p90 {r['tpot_p50_ms']}/{r['tpot_p90_ms']} ms, ITL p50 {r['itl_p50_ms']}, "
                      f"TTFT p50 {r['ttft_p50_ms']}, step p50 {r['engine_step_p50_ms']} ms, "
@@ -406,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--step-ms", type=float, default=5.0)
     p.add_argument("--py-spy", type=float, default=0.0, help="seconds of py-spy sampling of each Serve process")
-    p.add_argument("--http-proxy", choices=("serve", "haproxy"), default="serve",
-                   help="what answers the HTTP port (deploy/http_front.py), as `m3serve serve --http-proxy` sets it")
+    p.add_argument("--http-proxy", choices=("auto", "serve", "haproxy"), default="auto",
+                   help="what answers the HTTP port (deploy/http_front.py), as `m3serve serve --http-proxy` sets it "
+                        "(auto, its default: HAProxy where it is installed)")
     p.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="environment of the Ray processes only (Serve knobs, e.g. "
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0)")

