@@ -55,7 +55,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -65,6 +64,7 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from deploy.bench import RequestResult  # noqa: E402
+from deploy.http_front import free_port  # noqa: E402  (also bench_serve_stream's)
 
 APP_NAME = "bench_pd"
 # pd first: if the budget runs short, the disaggregated numbers are the ones kept; inproc last: it loads the model
@@ -269,12 +269,6 @@ def serve_config(args: argparse.Namespace, mode: str, model_dir: str) -> dict[st
     else:
         config["unified"] = dict(group)
     return config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Child:
