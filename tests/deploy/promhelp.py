@@ -138,6 +138,11 @@ class Prometheus:
     def target_health(self) -> list[str]:
         return [t["health"] for t in self.api("targets")["activeTargets"]]
 
+    def target_report(self) -> list[dict]:
+        """Each target's health, last scrape error and duration (seconds): what an assertion on health shows."""
+        return [{k: t.get(k) for k in ("scrapeUrl", "health", "lastError", "lastScrapeDuration")}
+                for t in self.api("targets")["activeTargets"]]
+
     def wait_healthy(self, timeout_s: float = 30.0) -> list[str]:
         """Wait until every target's last scrape succeeded. On a loaded 2-core machine one scrape of Ray's
         metrics endpoint can overrun its timeout; the next one decides."""

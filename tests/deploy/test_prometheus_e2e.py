@@ -28,6 +28,10 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="Debian's prometheus package is not installed (make test installs it)")
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 12, 16, 8, 4
+# Ray's metrics endpoint (the node agent's exporter of every series of the session) took over a second to answer
+# on two loaded cores in CI (at aa4d848): every 1 s scrape timed out (a scrape's timeout is its interval) and the
+# target stayed down past the 30 s wait. Scraped every 5 s it has 5 s to answer.
+SCRAPE_INTERVAL = "5s"
 WARMUP_PROMPT, WARMUP_TOKENS = [11, 12, 13, 14, 15], 3
 
 COUNTERS = ("request_success", "request_failure", "prompt_tokens", "generation_tokens")
@@ -200,9 +204,10 @@ def _assert_no_later_than_client(server_values: list[float], client_values: list
 def test_bench_counts_reach_prometheus_exactly_with_role_labels(serve_app, tmp_path):
     assert serve_app.metrics_port, "the session Ray instance exports no metrics port"
     pop = serve_app.pop_request_stats
-    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
+    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"],
+                    scrape_interval=SCRAPE_INTERVAL) as prom:
+        assert prom.wait_healthy(timeout_s=60) == ["up"], prom.target_report()
         before = _settled_baseline(serve_app, prom, pop, {"unified"})
-        assert prom.wait_healthy() == ["up"]
         result, by_role = _bench_and_drain(serve_app, tmp_path, pop, {"unified"})
         stats = by_role["unified"]
 
@@ -235,7 +240,9 @@ def test_disaggregated_bench_counts_reach_prometheus_per_role(serve_app, tmp_pat
         return handle("Router").pop_request_stats.remote().result()
 
     prefill = handle("EngineServer-prefill-0")
-    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"], scrape_interval="1s") as prom:
+    with Prometheus(tmp_path / "prom", [f"127.0.0.1:{serve_app.metrics_port}"],
+                    scrape_interval=SCRAPE_INTERVAL) as prom:
+        assert prom.wait_healthy(timeout_s=60) == ["up"], prom.target_report()
         before = _settled_baseline(pd, prom, pop, roles)
         transfers_before = prefill.transfer_totals.remote().result()
         result, by_role = _bench_and_drain(pd, tmp_path, pop, roles)
