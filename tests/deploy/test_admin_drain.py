@@ -7,14 +7,13 @@ cannot ends with an error event and `[DONE]`; the hook returns once the drain is
 from __future__ import annotations
 
 import dataclasses
-import json
 import threading
 
 import httpx
 import pytest
 
 from deploy import drain_hook
-from tests.deploy.test_drain import _Reader
+from tests.deploy.test_drain import _Reader, assert_short_finished_long_ended
 
 APP = "drainapp"
 GRACE_S = 3  # the short stream (24 tokens) finishes well within it, the long one (4k tokens) cannot
@@ -86,13 +85,6 @@ def test_admin_drain_through_the_prestop_hook(own_app, monkeypatch, capsys):
     assert not hook.is_alive(), "the hook did not return after the drain"
     said = capsys.readouterr().err  # both streams were in flight when the drain began: one finished, one was ended
     assert "drained 1 ingress replica(s)" in said and "1 request(s) finished, 1 ended" in said, said
-    short.join(60)
-    long.join(60)
-    assert short.error is None and long.error is None, (short.error, long.error)
-    assert short.events[-1] == "[DONE]" and not any('"error"' in e for e in short.events), short.events[-3:]
-    assert json.loads(short.events[-2])["choices"][0]["finish_reason"] == "length"
-    assert long.events[-1] == "[DONE]", long.events[-3:]
-    error = json.loads(long.events[-2])["error"]
-    assert error["code"] == "shutting_down" and "grace period" in error["message"], error
+    assert_short_finished_long_ended(short, long)
     # the drained request was aborted on its engine: nothing runs, waits or holds a page
     app.wait_idle(timeout=60)

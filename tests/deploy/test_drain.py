@@ -85,19 +85,23 @@ def check_sigterm_drain(server: _Server) -> None:
     assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
     assert refused.json()["error"]["code"] == "shutting_down"
 
-    short.join(60)
-    long.join(60)
-    assert short.error is None and long.error is None, (short.error, long.error)
-    # the short one finished normally
-    assert short.events[-1] == "[DONE]" and not any('"error"' in e for e in short.events), short.events[-3:]
-    assert json.loads(short.events[-2])["choices"][0]["finish_reason"] == "length"
-    # the long one: tokens, then the error event, then [DONE]
-    assert long.events[-1] == "[DONE]", long.events[-3:]
-    error = json.loads(long.events[-2])["error"]
-    assert error["code"] == "shutting_down" and "grace period" in error["message"], error
+    assert_short_finished_long_ended(short, long)
     assert sum('"choices"' in e for e in long.events) > 1
     # and the process exits on its own: within the grace period plus a bound (before: 32.6 s at best)
     assert server.proc.wait(timeout=GRACE_S + 40) == 0, server.log_path.read_text()[-3000:]
     log = server.log_path.read_text(errors="replace")
     assert "failed to shut down" not in log, log[-3000:]
     print(f"exit {time.monotonic() - signalled:.1f} s after SIGTERM (grace {GRACE_S} s)")
+
+
+def assert_short_finished_long_ended(short: _Reader, long: _Reader) -> None:
+    """After a drain: the short stream finished normally; the long one ended with the `shutting_down` error event
+    (grace period over), then [DONE]."""
+    short.join(60)
+    long.join(60)
+    assert short.error is None and long.error is None, (short.error, long.error)
+    assert short.events[-1] == "[DONE]" and not any('"error"' in e for e in short.events), short.events[-3:]
+    assert json.loads(short.events[-2])["choices"][0]["finish_reason"] == "length"
+    assert long.events[-1] == "[DONE]", long.events[-3:]
+    error = json.loads(long.events[-2])["error"]
+    assert error["code"] == "shutting_down" and "grace period" in error["message"], error
