@@ -6,20 +6,21 @@ block) costs a 64 KB K/V read from L2, and that traffic bounds it (docs/benchmar
 is turned around (P7 tried it with W = 4-8 pairs a program and a torch work list; both were too slow):
 
 1. Pairs. Every (row, KV head, slot) of `block_ids` [N, Hkv, K] with a block names one segment key
-   (kv head, request, block). The work list is built on the device in three launches, no host sync:
-   `_count_kernel` counts the pairs per key with atomics (the atomic's old value is the pair's slot in its
-   segment) into a buffer kept zeroed between calls, `_offsets_kernel` (one program) scans the counts into
-   segment starts and the running count of programs (ceil(count / W) a segment) and zeroes the counts again,
-   `_scatter_kernel` puts every pair at its segment slot and maps each program to its segment (a binary search
-   over the program counts). The order inside a segment is whatever the atomics gave: it changes no value, each
-   partial being computed on its own and merged by (row, slot).
+   (kv head, request, block). The work list groups the pairs by key on the device, no host sync
+   (kernels/sparse_work_list.py).
 2. Split: a program takes up to W pairs of one segment, loads the block's K and V once (one page: a whole-page
    tile or two halves) and loops over sub-tiles of SUB pairs (SUB * G rows, G query heads of the KV group): each
    row's softmax over the block's visible keys, stored as a normalised partial output (q's dtype: a convex
    combination of V rows loses no more than the output's own rounding) and its log-sum-exp (fp32, base 2). The
    token-level causal mask only matters in a token's own block, so it runs only for sub-tiles where some row's
-   position is below the block's last key (a runtime branch).
+   position is below the block's last key (a runtime branch). The loop issues the next sub-tile's query loads
+   before its own dots (`prefetch`).
 3. Merge: a program per (row, KV head) combines the row's K partials by their log-sum-exp.
+
+Launches per row slice: the work list (two: count with the scan folded into its last program, scatter), the
+split, the merge. `fused` runs the work list and the split as one persistent, cooperatively launched kernel
+(grid-wide syncs between the phases, the split's programs handed out by a ticket): one launch instead of three,
+which is host time that PERF.md's single-call method counts (docs/benchmarks.md P11).
 
 Rows go in slices of at most `max_rows` so the partials (rows * Hkv * K * G * D in q's dtype) stay bounded.
 Bytes per (token, group, block): K/V shared by up to W tokens (64 KB / W), the token's query rows (4 KB, from
@@ -28,14 +29,14 @@ L2), a partial written and read back (4 KB each). The torch reference is `paged_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels._triton import arrival_counters, next_pow2, runnable
+from kernels._triton import next_pow2, num_sms, runnable
 from kernels.prefill_attention import _scores, _softmax_update
+from kernels.sparse_work_list import (CHUNK, WorkList, build_work_list, count_chunk, scan_counts, scatter_chunk,
+                                      work_buffers)
 
 _LOG2E = 1.4426950408889634
 _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never ask for the causal mask
@@ -47,7 +48,8 @@ _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never as
 # 3% of these defaults at 2k x 8k and 2k x 32k, so they stay. P10: K/V loaded again per sub-tile (from L2)
 # instead of held across them was 30-45% slower.
 SPLIT_LAUNCH = {"pairs": 64, "sub": 4, "block_n": 128, "num_warps": 4, "num_stages": 2, "max_rows": 4096,
-                "mask_branch": True}
+                "mask_branch": True, "prefetch": True, "fold_scan": True, "fused": False,
+                "evict_first": False}
 
 # When the prompt rows take this kernel rather than the token-major one (host ints only, see `use_block_major`):
 # between `min_rows_per_request` and `max_rows_per_request` rows per request on average (enough tokens to share
@@ -81,132 +83,6 @@ def workspace_bytes(num_rows: int, num_kv_heads: int, topk: int, group: int, hea
     return pairs * group * (head_dim * itemsize + 4) + pairs * 3 * 4
 
 
-# ---- the work list ----------------------------------------------------------------------------------------------
-
-@triton.jit
-def _upper_bound(arr_ptr, x, lo, hi, want, steps):
-    # per lane: the first index in [lo, hi) whose ascending arr value is > x (hi if none), in `steps` halvings
-    for _ in range(steps):
-        live = lo < hi
-        mid = (lo + hi) // 2
-        right = tl.load(arr_ptr + mid, mask=live & want, other=0) <= x
-        lo = tl.where(live & right, mid + 1, lo)
-        hi = tl.where(live & ~right, mid, hi)
-    return lo
-
-
-# host ints that change from step to step are not specialised on (== 1, divisible by 16): no compile mid-serving
-@triton.jit(do_not_specialize=["num_pairs", "row0", "num_requests", "search_steps", "width"])
-def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0, num_requests, search_steps,
-                  width, bid_st_n, bid_st_h, HKV: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    # pairs p = (row * HKV + h) * TOPK + k of the slice: key[p] = (h, request, block) or -1, rank[p] = its slot
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inb = p < num_pairs
-    row = p // (HKV * TOPK)
-    h = (p // TOPK) % HKV
-    blk = tl.load(bid_ptr + row.to(tl.int64) * bid_st_n + h * bid_st_h + p % TOPK, mask=inb, other=-1)
-    ok = inb & (blk >= 0) & (blk < width)  # an id past the table would count outside the key space
-    # the row's request: the first r in [1, R] with qsl[r] > row, less one (qsl[R] is past every prompt row)
-    grow = row0 + row
-    lo = _upper_bound(qsl_ptr, grow, tl.full([BLOCK], 1, tl.int32), tl.full([BLOCK], 0, tl.int32) + num_requests,
-                      inb, search_steps)
-    key = tl.where(ok, (h * num_requests + lo - 1) * width + blk, -1)
-    rank = tl.atomic_add(cnt_ptr + key, 1, mask=ok)
-    tl.store(key_ptr + p, key, mask=inb)
-    tl.store(rank_ptr + p, rank, mask=ok)
-
-
-@triton.jit(do_not_specialize=["num_keys"])
-def _offsets_kernel(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK: tl.constexpr):
-    # one program: seg[k] = pairs of keys before k (exclusive scan, seg[num_keys] = all pairs), pend[k] =
-    # programs of keys up to k (inclusive); the counts are zeroed for the next call
-    seen = tl.zeros([1], tl.int32)
-    progs = tl.zeros([1], tl.int32)
-    for s in range(0, num_keys, BLOCK):
-        k = s + tl.arange(0, BLOCK)
-        live = k < num_keys
-        c = tl.load(cnt_ptr + k, mask=live, other=0)
-        tl.store(cnt_ptr + k, tl.zeros([BLOCK], tl.int32), mask=live)
-        pc = (c + pairs_per_prog - 1) // pairs_per_prog
-        c_incl = tl.cumsum(c, 0)
-        p_incl = tl.cumsum(pc, 0)
-        tl.store(seg_ptr + k, seen + c_incl - c, mask=live)
-        tl.store(pend_ptr + k, progs + p_incl, mask=live)
-        seen += tl.sum(c, 0)
-        progs += tl.sum(pc, 0)
-    tl.store(seg_ptr + num_keys + tl.arange(0, 1), seen)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_items", "num_keys", "search_steps"])
-def _scatter_kernel(key_ptr, rank_ptr, seg_ptr, pend_ptr, perm_ptr, item_ptr, num_pairs, num_items, num_keys,
-                    search_steps, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    # pair i to its segment slot
-    inb = i < num_pairs
-    key = tl.load(key_ptr + i, mask=inb, other=-1)
-    ok = inb & (key >= 0)
-    dst = tl.load(seg_ptr + key, mask=ok, other=0) + tl.load(rank_ptr + i, mask=ok, other=0)
-    tl.store(perm_ptr + dst, i, mask=ok)
-    # program i to its segment: the first key whose running program count passes i (-1 past the last program)
-    want = i < num_items
-    lo = _upper_bound(pend_ptr, i, tl.zeros([BLOCK], tl.int32), tl.zeros([BLOCK], tl.int32) + num_keys, want,
-                      search_steps)
-    tl.store(item_ptr + i, tl.where(lo < num_keys, lo, -1), mask=want)
-
-
-@dataclass(frozen=True)
-class WorkList:
-    """The device-built work list of one slice of rows (see the module docstring). Segment key =
-    (kv head * num_requests + request) * width + block.
-
-    seg_start [num_keys + 1] int32: each key's first slot in `perm` (key k's pairs: seg_start[k] ..
-    seg_start[k + 1]); prog_end [num_keys] int32: programs of keys up to and including k; perm [num_pairs] int32:
-    the pair index (row * Hkv + head) * K + slot at each segment slot; items [num_items] int32: each program's
-    key, -1 past the end; num_items: the host bound of the grid."""
-
-    seg_start: torch.Tensor
-    prog_end: torch.Tensor
-    perm: torch.Tensor
-    items: torch.Tensor
-    num_items: int
-    pairs_per_prog: int
-    num_requests: int
-    width: int
-
-
-def build_work_list(block_ids: torch.Tensor, query_start_loc: torch.Tensor, row0: int, num_requests: int,
-                    width: int, pairs_per_prog: int) -> WorkList:
-    """block_ids [n, Hkv, K] int32 (rows row0 .. row0 + n - 1 of the prompt rows; -1: no block); query_start_loc
-    [>= num_requests + 1] int32 over the prompt rows; width: the page tables' width in blocks (every selected id is
-    below it). Three launches, no host sync; the grid bound is ceil(pairs / W) + min(pairs, keys)."""
-    n, hkv, topk = block_ids.shape
-    dev = block_ids.device
-    num_pairs = n * hkv * topk
-    num_keys = hkv * num_requests * width
-    i32 = torch.int32
-    counts = arrival_counters("prefill_split", num_keys, dev, 4096)  # zeroed, and left zeroed by the scan
-    if counts is None:  # (growing it under CUDA-graph capture: never for prompt rows, which run eager)
-        counts = torch.zeros(num_keys, dtype=i32, device=dev)
-    key = torch.empty(num_pairs, dtype=i32, device=dev)
-    rank = torch.empty(num_pairs, dtype=i32, device=dev)
-    block = 1024
-    runnable(_count_kernel, dev)[(triton.cdiv(num_pairs, block),)](
-        block_ids, query_start_loc, counts, key, rank, num_pairs, row0, num_requests,
-        max(1, num_requests.bit_length()), width, block_ids.stride(0), block_ids.stride(1),
-        HKV=hkv, TOPK=topk, BLOCK=block, num_warps=4)
-    seg_start = torch.empty(num_keys + 1, dtype=i32, device=dev)
-    prog_end = torch.empty(num_keys, dtype=i32, device=dev)
-    runnable(_offsets_kernel, dev)[(1,)](counts, seg_start, prog_end, num_keys, pairs_per_prog, BLOCK=2048,
-                                         num_warps=8)
-    num_items = triton.cdiv(num_pairs, pairs_per_prog) + min(num_pairs, num_keys)
-    perm = torch.empty(num_pairs, dtype=i32, device=dev)
-    items = torch.empty(num_items, dtype=i32, device=dev)
-    runnable(_scatter_kernel, dev)[(triton.cdiv(max(num_pairs, num_items), block),)](
-        key, rank, seg_start, prog_end, perm, items, num_pairs, num_items, num_keys, num_keys.bit_length() + 1,
-        BLOCK=block, num_warps=4)
-    return WorkList(seg_start, prog_end, perm, items, num_items, pairs_per_prog, num_requests, width)
-
-
 # ---- split and merge --------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -224,22 +100,37 @@ def _block_step(q, k, v, keys, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT
 
 
 @triton.jit(do_not_specialize=["num_requests", "width"])
-def _split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, item_ptr, seg_ptr, pend_ptr, perm_ptr,
-                  po_ptr, pl_ptr, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
-                  pairs_per_prog, num_requests, width, qk_scale_log2,
-                  G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  PAIRS_PER_ROW: tl.constexpr, DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr):
+def _split_kernel(item_ptr, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
+                  q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r, pairs_per_prog,
+                  num_requests, width, qk_scale_log2, G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
+                  PS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS_PER_ROW: tl.constexpr, DOT_FP32: tl.constexpr,
+                  MASK_BRANCH: tl.constexpr, PREFETCH: tl.constexpr,
+                  EVICT_FIRST: tl.constexpr):
     pid = tl.program_id(0)
     key = tl.load(item_ptr + pid)
-    if key < 0:  # past the end of the work list
-        return
+    if key >= 0:  # else past the end of the work list
+        _split_item(pid, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
+                    q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r, pairs_per_prog,
+                    num_requests, width, qk_scale_log2, G, SUB, D, PS, BLOCK_N, PAIRS_PER_ROW, DOT_FP32,
+                    MASK_BRANCH, PREFETCH, EVICT_FIRST)
+
+
+@triton.jit
+def _split_item(pid, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
+                q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r, pairs_per_prog,
+                num_requests, width, qk_scale_log2, G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
+                PS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS_PER_ROW: tl.constexpr, DOT_FP32: tl.constexpr,
+                MASK_BRANCH: tl.constexpr, PREFETCH: tl.constexpr,
+                EVICT_FIRST: tl.constexpr):
+    # program `pid` of the work list, of segment `key`: its up to W pairs against the segment's block. `.cg`
+    # reads of the work list: in the fused kernel other programs of the same launch wrote it.
     kvh = key // (num_requests * width)
     req = (key // width) % num_requests
     blk = key % width
-    seg0 = tl.load(seg_ptr + key)
-    count = tl.load(seg_ptr + key + 1) - seg0
+    seg0 = tl.load(seg_ptr + key, cache_modifier=".cg")
+    count = tl.load(seg_ptr + key + 1, cache_modifier=".cg") - seg0
     # this program's place among its segment's programs -> its first slot and its pairs
-    j = pid - (tl.load(pend_ptr + key) - (count + pairs_per_prog - 1) // pairs_per_prog)
+    j = pid - (tl.load(pend_ptr + key, cache_modifier=".cg") - (count + pairs_per_prog - 1) // pairs_per_prog)
     first = seg0 + j * pairs_per_prog
     n_here = tl.minimum(pairs_per_prog, count - j * pairs_per_prog)
     page = tl.load(pt_ptr + req.to(tl.int64) * pt_st_r + blk).to(tl.int64)
@@ -248,39 +139,108 @@ def _split_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, item_ptr, seg_ptr, pen
     kv_row = page * kc_st_p + kvh * kc_st_h
     k0 = tl.load(kc_ptr + kv_row + n[:, None] * kc_st_o + d[None, :])
     v0 = tl.load(vc_ptr + page * vc_st_p + kvh * vc_st_h + n[:, None] * vc_st_o + d[None, :])
-    TWO: tl.constexpr = PS // BLOCK_N == 2
-    if TWO:  # the page's second half, held too
+    if PS == 2 * BLOCK_N:  # the page's second half, held too
         k1 = tl.load(kc_ptr + kv_row + (BLOCK_N + n)[:, None] * kc_st_o + d[None, :])
         v1 = tl.load(vc_ptr + page * vc_st_p + kvh * vc_st_h + (BLOCK_N + n)[:, None] * vc_st_o + d[None, :])
+    else:  # one tile holds the page (k1 / v1 unused)
+        k1, v1 = k0, v0
     key0 = blk * PS
     BM: tl.constexpr = SUB * G
     mm = tl.arange(0, BM)
     slot = mm // G  # row m: pair `slot` of the sub-tile, query head m % G of the KV group
     heads = kvh * G + mm % G
-    for s in range(0, n_here, SUB):
-        ok = s + slot < n_here
-        pair = tl.load(perm_ptr + first + s + slot, mask=ok, other=0)
-        row = (pair // PAIRS_PER_ROW).to(tl.int64)
-        pos = tl.load(pos_ptr + row, mask=ok, other=_FAR).to(tl.int32)
-        q = tl.load(q_ptr + row[:, None] * q_st_n + heads[:, None] * q_st_h + d[None, :], mask=ok[:, None],
-                    other=0.0)
+    if PREFETCH:
+        # loads run ahead of the dots: the next sub-tile's query rows and the one after's pair ids are issued
+        # before this sub-tile's dots, so their L2 latency (pair id -> row -> q, two dependent loads) hides
+        # behind them instead of opening each iteration (Triton's own pipelining issued the pair load of sub-tile
+        # s + 1 at the end of iteration s and waited on it there).
+        ok, pair = _sub_pairs(perm_ptr, first, 0, n_here, slot)
+        pos, q = _sub_queries(q_ptr, pos_ptr, pair, ok, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW, DOT_FP32)
+        ok_n, pair_n = _sub_pairs(perm_ptr, first, SUB, n_here, slot)
+        for s in range(0, n_here, SUB):
+            ok_nn, pair_nn = _sub_pairs(perm_ptr, first, s + 2 * SUB, n_here, slot)
+            pos_n, q_n = _sub_queries(q_ptr, pos_ptr, pair_n, ok_n, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW,
+                                      DOT_FP32)
+            out, lse = _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM, D, PS, BLOCK_N, DOT_FP32,
+                                 MASK_BRANCH)
+            _store_partial(po_ptr, pl_ptr, pair, ok, out, lse, mm, d, G, D, EVICT_FIRST)
+            ok, pair, pos, q = ok_n, pair_n, pos_n, q_n
+            ok_n, pair_n = ok_nn, pair_nn
+    else:
+        for s in range(0, n_here, SUB):
+            ok, pair = _sub_pairs(perm_ptr, first, s, n_here, slot)
+            pos, q = _sub_queries(q_ptr, pos_ptr, pair, ok, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW, DOT_FP32)
+            out, lse = _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM, D, PS, BLOCK_N, DOT_FP32,
+                                 MASK_BRANCH)
+            _store_partial(po_ptr, pl_ptr, pair, ok, out, lse, mm, d, G, D, EVICT_FIRST)
+
+
+@triton.jit
+def _sub_pairs(perm_ptr, first, s, n_here, slot):
+    # the pair ids of sub-tile s (slot [BM]: each row's pair within the sub-tile) and which rows are real
+    ok = s + slot < n_here
+    return ok, tl.load(perm_ptr + first + s + slot, mask=ok, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _sub_queries(q_ptr, pos_ptr, pair, ok, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    # the sub-tile's query rows [BM, D] (row = pair's prompt row, head of the KV group) and their positions [BM]
+    row = (pair // PAIRS_PER_ROW).to(tl.int64)
+    pos = tl.load(pos_ptr + row, mask=ok, other=_FAR).to(tl.int32)
+    q = tl.load(q_ptr + row[:, None] * q_st_n + heads[:, None] * q_st_h + d[None, :], mask=ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    return pos, q
+
+
+@triton.jit
+def _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
+              BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr):
+    # the sub-tile's rows against the held block -> (normalised output [BM, D] fp32, lse [BM] base 2, -inf where
+    # a row saw no key)
+    need_mask = tl.min(pos, axis=0) < key0 + PS - 1  # some row's own block (or earlier): mask keys > pos
+    if PS == BLOCK_N:
+        # one tile: a plain softmax, no running max to rescale by
+        qk = _scores(q, k0, qk_scale_log2, DOT_FP32)
+        if MASK_BRANCH:
+            if need_mask:
+                qk = tl.where((key0 + n)[None, :] <= pos[:, None], qk, float("-inf"))
+        else:
+            qk = tl.where((key0 + n)[None, :] <= pos[:, None], qk, float("-inf"))
+        m_i = tl.max(qk, axis=1)
+        p = tl.exp2(qk - tl.where(m_i > float("-inf"), m_i, 0.0)[:, None])
+        l_i = tl.sum(p, axis=1)
         if DOT_FP32:
-            q = q.to(tl.float32)
-        need_mask = tl.min(pos, axis=0) < key0 + PS - 1  # some row's own block (or earlier): mask keys > pos
+            acc = tl.dot(p, v0.to(tl.float32), input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v0.dtype), v0)
+    else:
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         m_i, l_i, acc = _block_step(q, k0, v0, key0 + n, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT_FP32,
                                     MASK_BRANCH)
-        if TWO:
-            m_i, l_i, acc = _block_step(q, k1, v1, key0 + BLOCK_N + n, pos, need_mask, m_i, l_i, acc,
-                                        qk_scale_log2, DOT_FP32, MASK_BRANCH)
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        prow = pair.to(tl.int64) * G + mm % G  # the partial of (pair, head)
+        m_i, l_i, acc = _block_step(q, k1, v1, key0 + BLOCK_N + n, pos, need_mask, m_i, l_i, acc, qk_scale_log2,
+                                    DOT_FP32, MASK_BRANCH)
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
+def _store_partial(po_ptr, pl_ptr, pair, ok, out, lse, mm, d, G: tl.constexpr, D: tl.constexpr,
+                   EVICT_FIRST: tl.constexpr):
+    prow = pair.to(tl.int64) * G + mm % G  # the partial of (pair, head)
+    if EVICT_FIRST:
+        # the partials (rows x 4 KB x Hkv x top-k) stream through L2 once; marked first out, they leave the
+        # query rows (gathered top-k times each) and the K/V blocks there
+        tl.store(po_ptr + prow[:, None] * D + d[None, :], out.to(po_ptr.dtype.element_ty), mask=ok[:, None],
+                 eviction_policy="evict_first")
+    else:
         tl.store(po_ptr + prow[:, None] * D + d[None, :], out.to(po_ptr.dtype.element_ty), mask=ok[:, None])
-        tl.store(pl_ptr + prow, lse, mask=ok)
+    tl.store(pl_ptr + prow, lse, mask=ok)
 
 
 @triton.jit
@@ -318,6 +278,119 @@ def _merge_kernel(bid_ptr, po_ptr, pl_ptr, o_ptr, bid_st_n, bid_st_h, o_st_n, o_
     tl.store(o_ptr + row * o_st_n + (kvh * G + g)[:, None] * o_st_h + d[None, :], out.to(o_ptr.dtype.element_ty))
 
 
+
+# ---- the fused persistent kernel: work list and split in one launch ---------------------------------------------
+
+@triton.jit
+def _grid_sync(ctr_ptr, nprog):
+    # every program of the grid (launched cooperatively: all resident at once) arrives; none goes on before all
+    # have. The CTA barrier + release add publish this program's writes, the acquire reads see every program's.
+    tl.debug_barrier()
+    tl.atomic_add(ctr_ptr, 1, sem="acq_rel")
+    seen = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+    while seen < nprog:
+        seen = tl.atomic_add(ctr_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["num_pairs", "row0", "num_requests", "search_steps", "width", "num_keys",
+                               "num_items", "key_steps"])
+def _fused_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_ptr, perm_ptr, item_ptr,
+                  q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, po_ptr, pl_ptr,
+                  num_pairs, row0, num_requests, search_steps, width, num_keys, num_items, key_steps,
+                  bid_st_n, bid_st_h, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
+                  pairs_per_prog, qk_scale_log2, HKV: tl.constexpr, TOPK: tl.constexpr, CHUNK: tl.constexpr,
+                  G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr, PREFETCH: tl.constexpr,
+                  EVICT_FIRST: tl.constexpr):
+    # The work list's three phases (kernels/sparse_work_list.py) and the split as one persistent launch: the
+    # launches it saves are host time that PERF.md's single-call method sees (docs/benchmarks.md P11). Grid-wide
+    # syncs separate the phases; cnt[num_keys + 1 ..] hold their counters, the split's ticket and the exit count,
+    # all zero at rest.
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    sync = cnt_ptr + num_keys
+    for c in range(pid, tl.cdiv(num_pairs, CHUNK), nprog):
+        count_chunk(c, bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0, num_requests, search_steps,
+                    width, bid_st_n, bid_st_h, HKV, TOPK, CHUNK)
+    _grid_sync(sync + 1, nprog)
+    if pid == 0:
+        scan_counts(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, CHUNK)
+    _grid_sync(sync + 2, nprog)
+    for c in range(pid, tl.cdiv(tl.maximum(num_pairs, num_items), CHUNK), nprog):
+        scatter_chunk(c, key_ptr, rank_ptr, seg_ptr, pend_ptr, perm_ptr, item_ptr, num_pairs, num_items, num_keys,
+                      key_steps, CHUNK)
+    _grid_sync(sync + 3, nprog)
+    # the split's programs as work items handed out by a ticket (items differ in size: dynamic balance)
+    it = tl.atomic_add(sync + 4, 1)
+    while it < num_items:
+        key = tl.load(item_ptr + it, cache_modifier=".cg")
+        if key >= 0:
+            _split_item(it, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
+                        q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
+                        pairs_per_prog, num_requests, width, qk_scale_log2, G, SUB, D, PS, BLOCK_N, HKV * TOPK,
+                        DOT_FP32, MASK_BRANCH, PREFETCH, EVICT_FIRST)
+            it = tl.atomic_add(sync + 4, 1)
+        else:  # the items past the work list's end are all -1
+            it = num_items
+    # the last program out resets the counters: every program has passed every sync by then
+    tl.debug_barrier()
+    if tl.atomic_add(sync + 5, 1, sem="acq_rel") == nprog - 1:
+        for i in tl.static_range(1, 6):
+            tl.atomic_xchg(sync + i, 0)
+
+
+# programs of the fused kernel resident per SM, by (device, compiled variant): from its registers and shared
+# memory once it has run (the first launch assumes one per SM, always resident). A cooperative launch larger than
+# what fits is refused by CUDA with an error, never left to hang.
+_RESIDENT: dict[tuple, int] = {}
+
+
+def _resident_per_sm(kernel, num_warps: int, device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    regs_warp = -(-max(int(kernel.n_regs), 1) * 32 // 256) * 256  # allocated per warp in units of 256
+    by_regs = regs_sm // (regs_warp * num_warps)
+    by_smem = smem_sm // (int(kernel.metadata.shared) + 1024)  # 1 KB per block reserved by the driver
+    return max(1, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
+
+
+def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, block_ids, row0: int,
+                num_requests: int, scale: float, part_o, part_lse, opts: dict) -> None:
+    """The fused kernel over one slice of rows (q, positions, block_ids: the slice's rows): partials and their lse
+    into part_o / part_lse, as `build_work_list` + the split launch would. One launch, a grid of what fits on the
+    device at once (one program on CPU: the interpreter runs programs one after another)."""
+    n, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    group, topk = hq // hkv, block_ids.shape[-1]
+    width = page_tables.shape[1]
+    dev = q.device
+    pairs = opts["pairs"]
+    buf = work_buffers(n * hkv * topk, hkv * num_requests * width, pairs, dev)
+    consts = dict(HKV=hkv, TOPK=topk, CHUNK=CHUNK, G=group, SUB=_pow2_sub(opts), D=d, PS=ps,
+                  BLOCK_N=opts["block_n"], DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype),
+                  MASK_BRANCH=bool(opts["mask_branch"]), PREFETCH=bool(opts["prefetch"]),
+                  EVICT_FIRST=bool(opts["evict_first"]))
+    key = (str(dev), q.dtype, k_cache.dtype, opts["num_warps"], opts["num_stages"], *consts.values())
+    if dev.type == "cuda":
+        grid = max(1, min(num_sms(dev) * _RESIDENT.get(key, 1), buf.num_items))
+        launch = {"launch_cooperative_grid": True}
+    else:
+        grid, launch = 1, {}
+    kernel = runnable(_fused_kernel, dev)[(grid,)](
+        block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm, buf.items,
+        q, k_cache, v_cache, page_tables, positions, part_o, part_lse,
+        buf.num_pairs, row0, num_requests, max(1, num_requests.bit_length()), width, buf.num_keys, buf.num_items,
+        buf.num_keys.bit_length() + 1, block_ids.stride(0), block_ids.stride(1), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), page_tables.stride(0), pairs, float(scale) * _LOG2E, **consts,
+        num_warps=opts["num_warps"], num_stages=opts["num_stages"], **launch)
+    if dev.type == "cuda" and key not in _RESIDENT:
+        _RESIDENT[key] = _resident_per_sm(kernel, opts["num_warps"], dev)
+
+
 def split_options(launch: dict | None, group: int, page_size: int, fp32: bool) -> dict:
     """SPLIT_LAUNCH with `launch` over it, fitted to the shapes: SUB * G >= 16 rows (tl.dot), a tile of the whole
     page or half of it."""
@@ -332,6 +405,11 @@ def split_options(launch: dict | None, group: int, page_size: int, fp32: bool) -
     return opts
 
 
+def _pow2_sub(opts: dict) -> int:
+    sub = int(opts["sub"])
+    return sub if sub & (sub - 1) == 0 else next_pow2(sub)
+
+
 def split_merge(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                 positions: torch.Tensor, block_ids: torch.Tensor, scale: float, work: WorkList, out: torch.Tensor,
                 part_o: torch.Tensor, part_lse: torch.Tensor, opts: dict) -> torch.Tensor:
@@ -340,19 +418,26 @@ def split_merge(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     group, topk = hq // hkv, block_ids.shape[-1]
-    sub = opts["sub"]
-    sub = sub if sub & (sub - 1) == 0 else next_pow2(sub)
+    sub = _pow2_sub(opts)
     runnable(_split_kernel, q.device)[(work.num_items,)](
-        q, k_cache, v_cache, page_tables, positions, work.items, work.seg_start, work.prog_end,
+        work.items, q, k_cache, v_cache, page_tables, positions, work.seg_start, work.prog_end,
         work.perm, part_o, part_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
         work.pairs_per_prog, work.num_requests, work.width, float(scale) * _LOG2E,
         G=group, SUB=sub, D=d, PS=ps, BLOCK_N=opts["block_n"], PAIRS_PER_ROW=hkv * topk,
         DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype), MASK_BRANCH=bool(opts["mask_branch"]),
-        num_warps=opts["num_warps"], num_stages=opts["num_stages"])
-    runnable(_merge_kernel, q.device)[(n, hkv)](
+        PREFETCH=bool(opts["prefetch"]), EVICT_FIRST=bool(opts["evict_first"]), num_warps=opts["num_warps"],
+        num_stages=opts["num_stages"])
+    return merge(block_ids, part_o, part_lse, out)
+
+
+def merge(block_ids: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The merge launch of one slice of rows: out [n, Hq, D] from the slice's partials."""
+    n, hq, d = out.shape
+    hkv, topk = block_ids.shape[1], block_ids.shape[2]
+    runnable(_merge_kernel, out.device)[(n, hkv)](
         block_ids, part_o, part_lse, out, block_ids.stride(0), block_ids.stride(1), out.stride(0), out.stride(1),
-        G=group, D=d, HKV=hkv, TOPK=topk, BLOCK_TOPK=max(2, next_pow2(topk)), num_warps=4)
+        G=hq // hkv, D=d, HKV=hkv, TOPK=topk, BLOCK_TOPK=max(2, next_pow2(topk)), num_warps=4)
     return out
 
 
@@ -401,12 +486,17 @@ def prefill_sparse_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     part_lse = torch.empty((rows * hkv * topk * group,), dtype=torch.float32, device=q.device)
     for a in range(0, n, max_rows):
         b = min(n, a + max_rows)
+        if opts["fused"]:
+            fused_split(q[a:b], k_cache, v_cache, page_tables, query_start_loc, positions[a:b], block_ids[a:b], a,
+                        num_requests, scale, part_o, part_lse, opts)
+            merge(block_ids[a:b], part_o, part_lse, out[a:b])
+            continue
         work = build_work_list(block_ids[a:b], query_start_loc, a, num_requests, page_tables.shape[1],
-                               opts["pairs"])
+                               opts["pairs"], bool(opts["fold_scan"]))
         split_merge(q[a:b], k_cache, v_cache, page_tables, positions[a:b], block_ids[a:b], scale, work, out[a:b],
                     part_o, part_lse, opts)
     return out
 
 
-__all__ = ["BLOCK_MAJOR_RULE", "SPLIT_LAUNCH", "WorkList", "build_work_list", "prefill_sparse_split", "split_merge",
-           "split_options", "use_block_major", "workspace_bytes"]
+__all__ = ["BLOCK_MAJOR_RULE", "SPLIT_LAUNCH", "WorkList", "build_work_list", "fused_split", "merge",
+           "prefill_sparse_split", "split_merge", "split_options", "use_block_major", "workspace_bytes"]
