@@ -46,19 +46,22 @@ _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never as
 # x 4 KV heads x top-16 x 16 heads x 128 x bf16 = 512 MiB). H200 sweep (docs/benchmarks.md P9: W 32/64/128, SUB
 # 4/8, 64/128-key tiles, 4/8 warps, 1/2 stages, the mask branch, 2,048-row slices): the best total was within
 # 3% of these defaults at 2k x 8k and 2k x 32k, so they stay. P10: K/V loaded again per sub-tile (from L2)
-# instead of held across them was 30-45% slower.
+# instead of held across them was 30-45% slower. P11: the loop's loads run ahead (`prefetch`, split -12%), the
+# fused persistent kernel (`fused`: one launch for the work list and split, same device time, ~150 us less host
+# time a call) and partial stores marked evict-first were each the faster in the same lease; `fold_scan` is what
+# the unfused path does with the scan.
 SPLIT_LAUNCH = {"pairs": 64, "sub": 4, "block_n": 128, "num_warps": 4, "num_stages": 2, "max_rows": 4096,
-                "mask_branch": True, "prefetch": True, "fold_scan": True, "fused": False,
-                "evict_first": False}
+                "mask_branch": True, "prefetch": True, "fold_scan": True, "fused": True,
+                "evict_first": True}
 
 # When the prompt rows take this kernel rather than the token-major one (host ints only, see `use_block_major`):
 # between `min_rows_per_request` and `max_rows_per_request` rows per request on average (enough tokens to share
-# a block; past ~4k rows the partials' traffic outgrows what sharing saves: H200, P9, 8k x 8k took 2.98-3.27 ms
-# block-major against 2.86 token-major, while 2k rows gained 5-13%), a page table wider than
+# a block; H200, P11: 8k x 8k 2.60 ms block-major against 2.92 token-major, 8k x 32k 2.94 against 4.37, 2k rows
+# 15-25% faster; 16k-row chunks not measured), a page table wider than
 # `min_blocks_per_topk` x top-k blocks (with fewer blocks the token-major kernel's token tiles already share most
 # blocks); `max_keys` bounds the segment keys (Hkv x requests x width) the one-program scan walks; fp32 (parity
 # runs) stays token-major unless `fp32` says otherwise (fp32 dots spill here, see `split_options`).
-BLOCK_MAJOR_RULE = {"min_rows_per_request": 512, "max_rows_per_request": 4096, "min_blocks_per_topk": 2.0,
+BLOCK_MAJOR_RULE = {"min_rows_per_request": 512, "max_rows_per_request": 8192, "min_blocks_per_topk": 2.0,
                     "max_keys": 1 << 16, "fp32": False}
 
 
@@ -374,22 +377,29 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
                   MASK_BRANCH=bool(opts["mask_branch"]), PREFETCH=bool(opts["prefetch"]),
                   EVICT_FIRST=bool(opts["evict_first"]))
     key = (str(dev), q.dtype, k_cache.dtype, opts["num_warps"], opts["num_stages"], *consts.values())
-    if dev.type == "cuda":
-        grid = max(1, min(num_sms(dev) * _RESIDENT.get(key, 1), buf.num_items))
-        launch = {"launch_cooperative_grid": True}
-    else:
-        grid, launch = 1, {}
-    kernel = runnable(_fused_kernel, dev)[(grid,)](
-        block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm, buf.items,
-        q, k_cache, v_cache, page_tables, positions, part_o, part_lse,
-        buf.num_pairs, row0, num_requests, max(1, num_requests.bit_length()), width, buf.num_keys, buf.num_items,
-        buf.num_keys.bit_length() + 1, block_ids.stride(0), block_ids.stride(1), q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), page_tables.stride(0), pairs, float(scale) * _LOG2E, **consts,
-        num_warps=opts["num_warps"], num_stages=opts["num_stages"], **launch)
-    if dev.type == "cuda" and key not in _RESIDENT:
+    args = (block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm,
+            buf.items, q, k_cache, v_cache, page_tables, positions, part_o, part_lse, buf.num_pairs, row0, num_requests,
+            max(1, num_requests.bit_length()), width, buf.num_keys, buf.num_items, buf.num_keys.bit_length() + 1,
+            block_ids.stride(0), block_ids.stride(1), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0), pairs,
+            float(scale) * _LOG2E)
+    kw = dict(consts, num_warps=opts["num_warps"], num_stages=opts["num_stages"])
+    if dev.type != "cuda":
+        runnable(_fused_kernel, dev)[(1,)](*args, **kw)
+        return
+    sms = num_sms(dev)
+    grid = max(1, min(sms * _RESIDENT.get(key, 1), buf.num_items))
+    try:
+        kernel = _fused_kernel[(grid,)](*args, **kw, launch_cooperative_grid=True)
+    except RuntimeError:
+        if grid <= sms:
+            raise
+        # CUDA refused the grid as larger than what fits at once (a launch that never ran: the counters are
+        # untouched); a program per SM always fits
+        _RESIDENT[key] = 1
+        kernel = _fused_kernel[(min(sms, buf.num_items),)](*args, **kw, launch_cooperative_grid=True)
+    if key not in _RESIDENT:
         _RESIDENT[key] = _resident_per_sm(kernel, opts["num_warps"], dev)
-
 
 def split_options(launch: dict | None, group: int, page_size: int, fp32: bool) -> dict:
     """SPLIT_LAUNCH with `launch` over it, fitted to the shapes: SUB * G >= 16 rows (tl.dot), a tile of the whole
@@ -441,6 +451,11 @@ def merge(block_ids: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor,
     return out
 
 
+def _rows(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    # a slice's rows; the tensor itself when the slice holds them all (a view costs host time, P11)
+    return x if a == 0 and b == x.shape[0] else x[a:b]
+
+
 def _check_inputs(q, k_cache, v_cache, page_tables, query_start_loc, block_ids, num_requests) -> None:
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -487,14 +502,14 @@ def prefill_sparse_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for a in range(0, n, max_rows):
         b = min(n, a + max_rows)
         if opts["fused"]:
-            fused_split(q[a:b], k_cache, v_cache, page_tables, query_start_loc, positions[a:b], block_ids[a:b], a,
-                        num_requests, scale, part_o, part_lse, opts)
-            merge(block_ids[a:b], part_o, part_lse, out[a:b])
+            fused_split(_rows(q, a, b), k_cache, v_cache, page_tables, query_start_loc, _rows(positions, a, b),
+                        _rows(block_ids, a, b), a, num_requests, scale, part_o, part_lse, opts)
+            merge(_rows(block_ids, a, b), part_o, part_lse, _rows(out, a, b))
             continue
-        work = build_work_list(block_ids[a:b], query_start_loc, a, num_requests, page_tables.shape[1],
+        work = build_work_list(_rows(block_ids, a, b), query_start_loc, a, num_requests, page_tables.shape[1],
                                opts["pairs"], bool(opts["fold_scan"]))
-        split_merge(q[a:b], k_cache, v_cache, page_tables, positions[a:b], block_ids[a:b], scale, work, out[a:b],
-                    part_o, part_lse, opts)
+        split_merge(_rows(q, a, b), k_cache, v_cache, page_tables, _rows(positions, a, b), _rows(block_ids, a, b),
+                    scale, work, _rows(out, a, b), part_o, part_lse, opts)
     return out
 
 

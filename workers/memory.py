@@ -197,9 +197,11 @@ def graph_reserve_bytes(peaks: StepPeaks, max_graph_batch: int | None) -> int:
 
 def block_major_reserve(config: M3Config, engine_config: EngineConfig, num_kv_heads: int, itemsize: int) -> int:
     """Memory kept free for the block-major sparse prefill's workspace (kernels/prefill_sparse_split.py): the
-    profile step runs `max_num_batched_tokens` rows, which past 4,096 take the token-major kernel, so its peak
-    does not hold the partials a smaller prompt chunk beside a long context allocates (up to 512 MiB at M3's
-    shapes). 0 for a model without sparse layers. `num_kv_heads`: this shard's."""
+    profile step's prompt rows may take the token-major kernel or the dense route (which one depends on its
+    rows and page-table width, `prompt_kind`), so its peak need not hold the partials a prompt chunk beside a
+    long context allocates (up to 512 MiB at M3's shapes); kept free either way (where the profile step did go
+    block-major, counted twice: at most 512 MiB of KV pool). 0 for a model without sparse layers.
+    `num_kv_heads`: this shard's."""
     if not config.sparse_layers:
         return 0
     rows = min(engine_config.max_num_batched_tokens,

@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--budget-s", type=float, default=400.0, help="skip sweep points past this much wall time")
     p.add_argument("--split-budget-s", type=float, default=180.0, help="the split phase's sweep time, all cases")
+    p.add_argument("--profile-options", default=None,
+                   help="the profile phase's launches as a JSON list of launch dicts (default PROFILE_OPTIONS)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
     a.cases = [tuple(int(x) for x in c.split(":")) for c in a.cases.split(",") if c]
@@ -388,13 +390,14 @@ def host_ms(fn, calls: int = 20) -> float:
 def profile_phase(args) -> list[dict]:
     """Per case of --cases: the block-major kernel's launches (PROFILE_OPTIONS) timed, and the default's and the
     best's device time by kernel (work list, split, merge) beside the token-major kernel's."""
+    options = json.loads(args.profile_options) if args.profile_options else PROFILE_OPTIONS
     rows = []
     for t, ctx in args.cases:
         c = make_case(t, ctx, seed=3)
         sel = run_index(c)
         ref = run_attn(c, sel)
         row = {"T": t, "ctx": ctx, "token_major": event_ms(lambda: run_attn(c, sel), args.reps),
-               "launches": {json.dumps(o): _time_split(c, sel, o or None, ref, args.reps) for o in PROFILE_OPTIONS}}
+               "launches": {json.dumps(o): _time_split(c, sel, o or None, ref, args.reps) for o in options}}
         ok = sorted((v["total"], k) for k, v in row["launches"].items()
                     if "total" in v and v["rel_vs_token_major"] < 1e-2)
         row["host_ms"] = {"token_major": host_ms(lambda: run_attn(c, sel)),
