@@ -401,6 +401,7 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
     if key not in _RESIDENT:
         _RESIDENT[key] = _resident_per_sm(kernel, opts["num_warps"], dev)
 
+
 def split_options(launch: dict | None, group: int, page_size: int, fp32: bool) -> dict:
     """SPLIT_LAUNCH with `launch` over it, fitted to the shapes: SUB * G >= 16 rows (tl.dot), a tile of the whole
     page or half of it."""
