@@ -14,7 +14,7 @@ is turned around (P7 tried it with W = 4-8 pairs a program and a torch work list
    combination of V rows loses no more than the output's own rounding) and its log-sum-exp (fp32, base 2). The
    token-level causal mask only matters in a token's own block, so it runs only for sub-tiles where some row's
    position is below the block's last key (a runtime branch). The loop issues the next sub-tile's query loads
-   before its own dots (`prefetch`).
+   before its own dots.
 3. Merge: a program per (row, KV head) combines the row's K partials by their log-sum-exp.
 
 Launches per row slice: the work list (two: count with the scan folded into its last program, scatter), the
@@ -46,13 +46,12 @@ _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never as
 # x 4 KV heads x top-16 x 16 heads x 128 x bf16 = 512 MiB). H200 sweep (docs/benchmarks.md P9: W 32/64/128, SUB
 # 4/8, 64/128-key tiles, 4/8 warps, 1/2 stages, the mask branch, 2,048-row slices): the best total was within
 # 3% of these defaults at 2k x 8k and 2k x 32k, so they stay. P10: K/V loaded again per sub-tile (from L2)
-# instead of held across them was 30-45% slower. P11: the loop's loads run ahead (`prefetch`, split -12%), the
+# instead of held across them was 30-45% slower. P11: the loop's loads run ahead (split -12%; no switch), the
 # fused persistent kernel (`fused`: one launch for the work list and split, same device time, ~150 us less host
-# time a call) and partial stores marked evict-first were each the faster in the same lease; `fold_scan` is what
-# the unfused path does with the scan.
+# time a call) and partial stores marked evict-first were each the faster in the same lease. `fused: False` is the
+# fallback: the work list's two launches (kernels/sparse_work_list.py), then the split.
 SPLIT_LAUNCH = {"pairs": 64, "sub": 4, "block_n": 128, "num_warps": 4, "num_stages": 2, "max_rows": 4096,
-                "mask_branch": True, "prefetch": True, "fold_scan": True, "fused": True,
-                "evict_first": True}
+                "mask_branch": True, "fused": True, "evict_first": True}
 
 # When the prompt rows take this kernel rather than the token-major one (host ints only, see `use_block_major`):
 # between `min_rows_per_request` and `max_rows_per_request` rows per request on average (enough tokens to share
@@ -107,15 +106,14 @@ def _split_kernel(item_ptr, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pen
                   q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r, pairs_per_prog,
                   num_requests, width, qk_scale_log2, G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
                   PS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS_PER_ROW: tl.constexpr, DOT_FP32: tl.constexpr,
-                  MASK_BRANCH: tl.constexpr, PREFETCH: tl.constexpr,
-                  EVICT_FIRST: tl.constexpr):
+                  MASK_BRANCH: tl.constexpr, EVICT_FIRST: tl.constexpr):
     pid = tl.program_id(0)
     key = tl.load(item_ptr + pid)
     if key >= 0:  # else past the end of the work list
         _split_item(pid, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
                     q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r, pairs_per_prog,
                     num_requests, width, qk_scale_log2, G, SUB, D, PS, BLOCK_N, PAIRS_PER_ROW, DOT_FP32,
-                    MASK_BRANCH, PREFETCH, EVICT_FIRST)
+                    MASK_BRANCH, EVICT_FIRST)
 
 
 @triton.jit
@@ -123,8 +121,7 @@ def _split_item(pid, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_
                 q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r, pairs_per_prog,
                 num_requests, width, qk_scale_log2, G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
                 PS: tl.constexpr, BLOCK_N: tl.constexpr, PAIRS_PER_ROW: tl.constexpr, DOT_FP32: tl.constexpr,
-                MASK_BRANCH: tl.constexpr, PREFETCH: tl.constexpr,
-                EVICT_FIRST: tl.constexpr):
+                MASK_BRANCH: tl.constexpr, EVICT_FIRST: tl.constexpr):
     # program `pid` of the work list, of segment `key`: its up to W pairs against the segment's block. `.cg`
     # reads of the work list: in the fused kernel other programs of the same launch wrote it.
     kvh = key // (num_requests * width)
@@ -152,30 +149,22 @@ def _split_item(pid, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_
     mm = tl.arange(0, BM)
     slot = mm // G  # row m: pair `slot` of the sub-tile, query head m % G of the KV group
     heads = kvh * G + mm % G
-    if PREFETCH:
-        # loads run ahead of the dots: the next sub-tile's query rows and the one after's pair ids are issued
-        # before this sub-tile's dots, so their L2 latency (pair id -> row -> q, two dependent loads) hides
-        # behind them instead of opening each iteration (Triton's own pipelining issued the pair load of sub-tile
-        # s + 1 at the end of iteration s and waited on it there).
-        ok, pair = _sub_pairs(perm_ptr, first, 0, n_here, slot)
-        pos, q = _sub_queries(q_ptr, pos_ptr, pair, ok, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW, DOT_FP32)
-        ok_n, pair_n = _sub_pairs(perm_ptr, first, SUB, n_here, slot)
-        for s in range(0, n_here, SUB):
-            ok_nn, pair_nn = _sub_pairs(perm_ptr, first, s + 2 * SUB, n_here, slot)
-            pos_n, q_n = _sub_queries(q_ptr, pos_ptr, pair_n, ok_n, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW,
-                                      DOT_FP32)
-            out, lse = _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM, D, PS, BLOCK_N, DOT_FP32,
-                                 MASK_BRANCH)
-            _store_partial(po_ptr, pl_ptr, pair, ok, out, lse, mm, d, G, D, EVICT_FIRST)
-            ok, pair, pos, q = ok_n, pair_n, pos_n, q_n
-            ok_n, pair_n = ok_nn, pair_nn
-    else:
-        for s in range(0, n_here, SUB):
-            ok, pair = _sub_pairs(perm_ptr, first, s, n_here, slot)
-            pos, q = _sub_queries(q_ptr, pos_ptr, pair, ok, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW, DOT_FP32)
-            out, lse = _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM, D, PS, BLOCK_N, DOT_FP32,
-                                 MASK_BRANCH)
-            _store_partial(po_ptr, pl_ptr, pair, ok, out, lse, mm, d, G, D, EVICT_FIRST)
+    # loads run ahead of the dots: the next sub-tile's query rows and the one after's pair ids are issued
+    # before this sub-tile's dots, so their L2 latency (pair id -> row -> q, two dependent loads) hides
+    # behind them instead of opening each iteration (Triton's own pipelining issued the pair load of sub-tile
+    # s + 1 at the end of iteration s and waited on it there).
+    ok, pair = _sub_pairs(perm_ptr, first, 0, n_here, slot)
+    pos, q = _sub_queries(q_ptr, pos_ptr, pair, ok, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW, DOT_FP32)
+    ok_n, pair_n = _sub_pairs(perm_ptr, first, SUB, n_here, slot)
+    for s in range(0, n_here, SUB):
+        ok_nn, pair_nn = _sub_pairs(perm_ptr, first, s + 2 * SUB, n_here, slot)
+        pos_n, q_n = _sub_queries(q_ptr, pos_ptr, pair_n, ok_n, heads, d, q_st_n, q_st_h, PAIRS_PER_ROW,
+                                  DOT_FP32)
+        out, lse = _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM, D, PS, BLOCK_N, DOT_FP32,
+                             MASK_BRANCH)
+        _store_partial(po_ptr, pl_ptr, pair, ok, out, lse, mm, d, G, D, EVICT_FIRST)
+        ok, pair, pos, q = ok_n, pair_n, pos_n, q_n
+        ok_n, pair_n = ok_nn, pair_nn
 
 
 @triton.jit
@@ -281,7 +270,6 @@ def _merge_kernel(bid_ptr, po_ptr, pl_ptr, o_ptr, bid_st_n, bid_st_h, o_st_n, o_
     tl.store(o_ptr + row * o_st_n + (kvh * G + g)[:, None] * o_st_h + d[None, :], out.to(o_ptr.dtype.element_ty))
 
 
-
 # ---- the fused persistent kernel: work list and split in one launch ---------------------------------------------
 
 @triton.jit
@@ -304,8 +292,7 @@ def _fused_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_pt
                   bid_st_n, bid_st_h, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                   pairs_per_prog, qk_scale_log2, HKV: tl.constexpr, TOPK: tl.constexpr, CHUNK: tl.constexpr,
                   G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr, PREFETCH: tl.constexpr,
-                  EVICT_FIRST: tl.constexpr):
+                  DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr, EVICT_FIRST: tl.constexpr):
     # The work list's three phases (kernels/sparse_work_list.py) and the split as one persistent launch: the
     # launches it saves are host time that PERF.md's single-call method sees (docs/benchmarks.md P11). Grid-wide
     # syncs separate the phases; cnt[num_keys + 1 ..] hold their counters, the split's ticket and the exit count,
@@ -332,7 +319,7 @@ def _fused_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_pt
             _split_item(it, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
                         q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                         pairs_per_prog, num_requests, width, qk_scale_log2, G, SUB, D, PS, BLOCK_N, HKV * TOPK,
-                        DOT_FP32, MASK_BRANCH, PREFETCH, EVICT_FIRST)
+                        DOT_FP32, MASK_BRANCH, EVICT_FIRST)
             it = tl.atomic_add(sync + 4, 1)
         else:  # the items past the work list's end are all -1
             it = num_items
@@ -374,8 +361,7 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
     buf = work_buffers(n * hkv * topk, hkv * num_requests * width, pairs, dev)
     consts = dict(HKV=hkv, TOPK=topk, CHUNK=CHUNK, G=group, SUB=_pow2_sub(opts), D=d, PS=ps,
                   BLOCK_N=opts["block_n"], DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype),
-                  MASK_BRANCH=bool(opts["mask_branch"]), PREFETCH=bool(opts["prefetch"]),
-                  EVICT_FIRST=bool(opts["evict_first"]))
+                  MASK_BRANCH=bool(opts["mask_branch"]), EVICT_FIRST=bool(opts["evict_first"]))
     key = (str(dev), q.dtype, k_cache.dtype, opts["num_warps"], opts["num_stages"], *consts.values())
     args = (block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm,
             buf.items, q, k_cache, v_cache, page_tables, positions, part_o, part_lse, buf.num_pairs, row0, num_requests,
@@ -437,8 +423,7 @@ def split_merge(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
         work.pairs_per_prog, work.num_requests, work.width, float(scale) * _LOG2E,
         G=group, SUB=sub, D=d, PS=ps, BLOCK_N=opts["block_n"], PAIRS_PER_ROW=hkv * topk,
         DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype), MASK_BRANCH=bool(opts["mask_branch"]),
-        PREFETCH=bool(opts["prefetch"]), EVICT_FIRST=bool(opts["evict_first"]), num_warps=opts["num_warps"],
-        num_stages=opts["num_stages"])
+        EVICT_FIRST=bool(opts["evict_first"]), num_warps=opts["num_warps"], num_stages=opts["num_stages"])
     return merge(block_ids, part_o, part_lse, out)
 
 
@@ -508,7 +493,7 @@ def prefill_sparse_split(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             merge(_rows(block_ids, a, b), part_o, part_lse, _rows(out, a, b))
             continue
         work = build_work_list(_rows(block_ids, a, b), query_start_loc, a, num_requests, page_tables.shape[1],
-                               opts["pairs"], bool(opts["fold_scan"]))
+                               opts["pairs"])
         split_merge(_rows(q, a, b), k_cache, v_cache, page_tables, _rows(positions, a, b), _rows(block_ids, a, b),
                     scale, work, _rows(out, a, b), part_o, part_lse, opts)
     return out

@@ -39,7 +39,7 @@ def _upper_bound(arr_ptr, x, lo, hi, want, steps):
 
 @triton.jit
 def count_chunk(chunk, bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0, num_requests, search_steps,
-                 width, bid_st_n, bid_st_h, HKV: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+                width, bid_st_n, bid_st_h, HKV: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     # pairs p = (row * HKV + h) * TOPK + k of the slice: key[p] = (h, request, block) or -1, rank[p] = its slot
     p = chunk * BLOCK + tl.arange(0, BLOCK)
     inb = p < num_pairs
@@ -61,19 +61,18 @@ def count_chunk(chunk, bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, 
 @triton.jit(do_not_specialize=["num_pairs", "row0", "num_requests", "search_steps", "width", "num_keys"])
 def _count_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_ptr, num_pairs, row0, num_requests,
                   search_steps, width, num_keys, pairs_per_prog, bid_st_n, bid_st_h, HKV: tl.constexpr,
-                  TOPK: tl.constexpr, BLOCK: tl.constexpr, FOLD_SCAN: tl.constexpr):
+                  TOPK: tl.constexpr, BLOCK: tl.constexpr):
     count_chunk(tl.program_id(0), bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, num_pairs, row0, num_requests,
-                 search_steps, width, bid_st_n, bid_st_h, HKV, TOPK, BLOCK)
-    if FOLD_SCAN:
-        # the last program to arrive scans (one launch less: its host cost showed in PERF.md's single-call times,
-        # docs/benchmarks.md P10). Every rank came back before the barrier, so this program's counts are in; the
-        # release add publishes that, the acquire of the last arrival sees every program's. cnt[num_keys] is the
-        # arrival counter, reset for the next call.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + num_keys, 1, sem="acq_rel")
-        if arrived == tl.num_programs(0) - 1:
-            tl.atomic_xchg(cnt_ptr + num_keys, 0)
-            scan_counts(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK)
+                search_steps, width, bid_st_n, bid_st_h, HKV, TOPK, BLOCK)
+    # the last program to arrive scans (one launch less: its host cost showed in PERF.md's single-call times,
+    # docs/benchmarks.md P10). Every rank came back before the barrier, so this program's counts are in; the
+    # release add publishes that, the acquire of the last arrival sees every program's. cnt[num_keys] is the
+    # arrival counter, reset for the next call.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + num_keys, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        tl.atomic_xchg(cnt_ptr + num_keys, 0)
+        scan_counts(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK)
 
 
 @triton.jit
@@ -96,11 +95,6 @@ def scan_counts(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK: tl.
         seen += tl.sum(c, 0)
         progs += tl.sum(pc, 0)
     tl.store(seg_ptr + num_keys + tl.arange(0, 1), seen)
-
-
-@triton.jit(do_not_specialize=["num_keys"])
-def _offsets_kernel(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK: tl.constexpr):
-    scan_counts(cnt_ptr, seg_ptr, pend_ptr, num_keys, pairs_per_prog, BLOCK)
 
 
 @triton.jit
@@ -181,20 +175,17 @@ def work_buffers(num_pairs: int, num_keys: int, pairs_per_prog: int, device: tor
 
 
 def build_work_list(block_ids: torch.Tensor, query_start_loc: torch.Tensor, row0: int, num_requests: int,
-                    width: int, pairs_per_prog: int, fold_scan: bool = True) -> WorkList:
+                    width: int, pairs_per_prog: int) -> WorkList:
     """block_ids [n, Hkv, K] int32 (rows row0 .. row0 + n - 1 of the prompt rows; -1: no block); query_start_loc
     [>= num_requests + 1] int32 over the prompt rows; width: the page tables' width in blocks (every selected id is
-    below it). Two launches (three with fold_scan False: the scan on its own), no host sync."""
+    below it). Two launches (the count kernel's last program scans), no host sync."""
     n, hkv, topk = block_ids.shape
     dev = block_ids.device
     buf = work_buffers(n * hkv * topk, hkv * num_requests * width, pairs_per_prog, dev)
     runnable(_count_kernel, dev)[(triton.cdiv(buf.num_pairs, CHUNK),)](
         block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.num_pairs, row0,
         num_requests, max(1, num_requests.bit_length()), width, buf.num_keys, pairs_per_prog, block_ids.stride(0),
-        block_ids.stride(1), HKV=hkv, TOPK=topk, BLOCK=CHUNK, FOLD_SCAN=fold_scan, num_warps=4)
-    if not fold_scan:
-        runnable(_offsets_kernel, dev)[(1,)](buf.counts, buf.seg_start, buf.prog_end, buf.num_keys, pairs_per_prog,
-                                             BLOCK=2048, num_warps=8)
+        block_ids.stride(1), HKV=hkv, TOPK=topk, BLOCK=CHUNK, num_warps=4)
     runnable(_scatter_kernel, dev)[(triton.cdiv(max(buf.num_pairs, buf.num_items), CHUNK),)](
         buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm, buf.items, buf.num_pairs, buf.num_items,
         buf.num_keys, buf.num_keys.bit_length() + 1, BLOCK=CHUNK, num_warps=4)

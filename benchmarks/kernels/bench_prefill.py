@@ -275,8 +275,7 @@ def _split_parts(c, sel, launch):
     slices = [(a, min(t, a + opts["max_rows"])) for a in range(0, t, opts["max_rows"])]
 
     def lists():
-        return [sp.build_work_list(sel[a:b], c["qsl"], a, 1, width, opts["pairs"], opts["fold_scan"])
-                for a, b in slices]
+        return [sp.build_work_list(sel[a:b], c["qsl"], a, 1, width, opts["pairs"]) for a, b in slices]
 
     works = lists()
     part_o = torch.empty((rows * HKV * TOPK * (HQ // HKV), D), dtype=c["q"].dtype, device=c["q"].device)
@@ -349,11 +348,9 @@ def split_phase(args) -> list[dict]:
 
 
 # the block-major kernel's launches timed beside its default: the work list and split fused into one persistent
-# launch or launched apart (the scan folded into the count kernel or alone), the loop's loads run ahead or not,
-# pairs per program, stages
-PROFILE_OPTIONS = [{}, {"fused": True}, {"fused": True, "evict_first": True}, {"evict_first": True},
-                   {"prefetch": False}, {"prefetch": False, "fold_scan": False}, {"pairs": 128},
-                   {"fused": True, "pairs": 128}, {"num_stages": 1}]
+# launch or launched apart, partials stored evict-first or not, pairs per program, stages
+PROFILE_OPTIONS = [{}, {"fused": False}, {"evict_first": False}, {"fused": False, "evict_first": False},
+                   {"pairs": 128}, {"fused": False, "pairs": 128}, {"num_stages": 1}]
 
 
 def kernel_times(fn, calls: int = 5) -> dict[str, float]:

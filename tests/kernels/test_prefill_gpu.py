@@ -83,7 +83,7 @@ def test_block_major_sparse_gpu(paged_case):
         for launch in (None, None, {"max_rows": 1000},
                        {"pairs": 32, "sub": 2, "block_n": 64, "num_warps": 8, "max_rows": 1000},
                        {"pairs": 128, "num_stages": 1, "mask_branch": False, "evict_first": False},
-                       {"fused": False}, {"fused": False, "prefetch": False, "fold_scan": False}):
+                       {"fused": False}, {"fused": False, "pairs": 128, "max_rows": 1000}):
             got = torch.full_like(q, float("nan"))
             prefill_sparse_split(*args, qsl, case.positions, D ** -0.5, sel, num_requests=nreq, max_len=longest,
                                  out=got, launch=launch)

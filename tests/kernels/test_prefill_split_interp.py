@@ -65,8 +65,8 @@ def _random_selection(positions, topk, seed, *, shuffle=False):
     (4, {"pairs": 3, "sub": 4}, False),  # W smaller than most segments: several programs per block
     (8, {"pairs": 64, "sub": 2, "max_rows": 23}, True),  # W larger than any segment; row slices of 23
     (16, {"pairs": 5, "sub": 1, "mask_branch": False}, False),  # a sub-tile that does not divide W, mask always
-    # the loop without its loads run ahead and the scan in a launch of its own; the fused persistent kernel
-    (4, {"pairs": 7, "sub": 2, "prefetch": False, "fold_scan": False, "fused": False}, True),
+    # the work list and split as launches of their own; the fused persistent kernel
+    (4, {"pairs": 7, "sub": 2, "fused": False}, True),
     (8, {"pairs": 16, "sub": 2, "fused": True, "evict_first": True}, False),
 ])
 def test_split_matches_ref(paged_case, dtype, group, launch, shuffle):
@@ -95,16 +95,15 @@ def test_split_with_half_page_tiles_and_indexer_selections(paged_case):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fold_scan", [True, False])
-def test_work_list_covers_every_pair_once_in_block_runs(fold_scan):
+def test_work_list_covers_every_pair_once_in_block_runs():
     """Every selected (row, head, slot) sits in exactly one program's run, a run holds one (head, request, block)
     and at most W pairs, programs past the end are marked -1, and rows of a slice past row 0 find their request.
-    2,400 pairs: three count programs, the last to arrive scanning where the scan is folded in."""
+    2,400 pairs: three count programs, the last to arrive scanning."""
     g = torch.Generator().manual_seed(3)
     n, topk, width, pairs, row0 = 400, 3, 5, 4, 6
     qsl = torch.tensor([0, 10, 300, 600], dtype=torch.int32)  # rows 6 .. 405 span all three requests
     bid = torch.randint(-1, width, (n, HKV, topk), generator=g, dtype=torch.int32)
-    work = split.build_work_list(bid, qsl, row0, 3, width, pairs, fold_scan)
+    work = split.build_work_list(bid, qsl, row0, 3, width, pairs)
     req = torch.searchsorted(qsl[1:], torch.arange(row0, row0 + n, dtype=torch.int32), right=True)
     items = work.items.tolist()
     assert len(items) == -(-bid.numel() // pairs) + min(bid.numel(), HKV * 3 * width)
