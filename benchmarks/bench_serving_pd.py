@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="KV pool = this fraction of the free memory after weights (headroom for the reference "
                         "prefill attention's score matrices)")
+    p.add_argument("--prefill-batch-wait-s", type=float, default=None,
+                   help="EngineConfig.prefill_batch_wait_s of every engine (default: the engine's own, null)")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="seconds for the engines to load")
     p.add_argument("--seed", type=int, default=0)
@@ -253,6 +255,8 @@ def serve_config(args: argparse.Namespace, mode: str, model_dir: str) -> dict[st
     """The ServeConfig fields of one mode (deploy/config.py)."""
     engine: dict[str, Any] = {"max_model_len": args.max_model_len, "max_num_seqs": max(64, 2 * args.concurrency),
                               "max_num_batched_tokens": args.max_num_batched_tokens, "max_waiting": 256}
+    if args.prefill_batch_wait_s is not None:
+        engine["prefill_batch_wait_s"] = args.prefill_batch_wait_s
     group: dict[str, Any] = {"replicas": 1, "tp": 1}
     if args.device == "cuda":
         engine.update(gpu_memory_utilization=args.gpu_memory_utilization, dtype="bfloat16")

@@ -12,6 +12,12 @@ preempted by recompute: its pages are released (its full pages stay in the prefi
 cheap), and it goes back to the front of the waiting queue, keeping its generated tokens. Nobody fails for lack of
 memory; requests that could never fit the pool are refused at `add_request`.
 
+Arrivals while others decode (`prefill_batch_wait_s`): a fresh prompt at the head of the waiting queue sits
+steps out, up to that long from when it was queued, while the step decodes, so that prompts arriving a few ms
+apart share one prefill step instead of each stalling the decoding streams with its own. Nothing is held when no
+row decodes, when the waiting prompts already fill the step's budget or the free seats, or for a preempted or
+forked sequence.
+
 Stops: EOS (unless `ignore_eos`), `stop_token_ids`, `max_tokens`, `max_model_len` are checked here; EOS and stop
 ids only once `min_tokens` tokens exist. Stop *strings* need text, so the engine checks them with its
 detokenizer and calls `finish()`.
@@ -113,6 +119,7 @@ class Request:
     first_scheduled_time: float | None = None
     prefix_cache_hit_tokens: int = 0
     handoff: bool = False  # prefill engine: after the first token, keep the pages for the decode engine
+    queued_at: float = 0.0  # the scheduler's clock when it was queued (`prefill_batch_wait_s` counts from it)
 
     @property
     def finished(self) -> bool:
@@ -187,7 +194,7 @@ class Scheduler:
         handoff = handoff and max_tokens > 1 and len(prompt) + 1 < self.config.max_model_len
         req = Request(request_id=request_id, prompt_token_ids=prompt, params=params,
                       max_tokens=1 if handoff else max_tokens, handoff=handoff,
-                      arrival_time=self.clock() if arrival_time is None else arrival_time)
+                      arrival_time=self.clock() if arrival_time is None else arrival_time, queued_at=self.clock())
         for i in range(params.n):
             seq = Sequence(self._next_seq_id, req, i, SeqStatus.WAITING if i == 0 else SeqStatus.PENDING_FORK)
             self._next_seq_id += 1
@@ -364,6 +371,8 @@ class Scheduler:
                 seq.request.first_scheduled_time = self.clock()
             chunks.append(self._chunk(seq, seq.num_tokens - seq.num_computed_tokens))
             budget -= 1
+        if self._hold_arrivals(chunks, budget, max_seqs - seats_taken):
+            return budget
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             req = seq.request
@@ -390,6 +399,26 @@ class Scheduler:
             chunks.append(self._chunk(seq, n))
             budget -= n
         return budget
+
+    def _hold_arrivals(self, chunks: list[ScheduledChunk], budget: int, free_seats: int) -> bool:
+        """Whether the waiting prompts sit this step out so that later arrivals share their prefill step
+        (`prefill_batch_wait_s`): only while this step decodes (otherwise the device would idle), for a fresh
+        prompt at the head of the queue (never a preempted or forked sequence), until it has waited that long or
+        the waiting prompts fill the step's token budget or the free seats."""
+        wait = self.config.prefill_batch_wait_s or 0.0
+        if wait <= 0.0 or not self.waiting or not any(c.is_decode for c in chunks):
+            return False
+        head = self.waiting[0]
+        if head.index or head.num_preemptions or head.num_output_tokens:
+            return False
+        if self.clock() - head.request.queued_at >= wait:
+            return False
+        tokens = 0
+        for i, seq in enumerate(self.waiting):
+            tokens += seq.num_tokens
+            if tokens >= budget or i + 1 >= free_seats:
+                return False
+        return True
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens

@@ -273,3 +273,85 @@ def test_validation_names_the_field():
     s2 = make(num_pages=64, page_size=4, max_len=32)
     s2.add_request("none", [1] * 4, SamplingParams(max_tokens=None))
     assert s2.requests["none"].max_tokens == 28
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_held(wait, *, budget=64, max_seqs=8):
+    clock = FakeClock()
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=max_seqs, max_num_batched_tokens=budget, num_pages=64,
+                       admission_watermark=0.0, prefill_batch_wait_s=wait)
+    s = Scheduler(cfg, PageManager(64, 4, watermark=0.0), eos_token_ids=(96,), vocab_size=97, clock=clock)
+    return s, clock
+
+
+def test_prompts_arriving_while_others_decode_wait_to_share_a_prefill_step():
+    s, clock = make_held(0.5)  # binary fractions of a second: the sums below are exact
+    sim = SimModel(s)
+    s.add_request("a", [1, 2, 3], greedy(20, ignore_eos=True))
+    out, _ = sim.step()  # nothing decodes: a is admitted at once
+    assert chunks_of(out) == [("a", 0, 3, False, True)]
+    s.add_request("b", [4, 5], greedy(4, ignore_eos=True))
+    clock.now += 0.25
+    out, _ = sim.step()  # a decodes; b has waited 0.25 s of 0.5: held
+    assert chunks_of(out) == [("a", 3, 1, True, True)]
+    s.add_request("c", [6, 7, 8], greedy(4, ignore_eos=True))
+    clock.now += 0.125
+    out, _ = sim.step()  # b 0.375 s: still held, c with it
+    assert chunks_of(out) == [("a", 4, 1, True, True)]
+    clock.now += 0.125
+    out, _ = sim.step()  # b has waited 0.5 s: b and c share one prefill step
+    assert chunks_of(out) == [("b", 0, 2, False, True), ("c", 0, 3, False, True), ("a", 5, 1, True, True)]
+    assert s.requests["b"].first_scheduled_time - s.requests["b"].queued_at == 0.5
+
+
+def test_the_hold_ends_early_when_waiting_prompts_fill_the_budget_or_the_seats():
+    s, clock = make_held(1.0, budget=16, max_seqs=4)
+    sim = SimModel(s)
+    s.add_request("a", [1, 2, 3], greedy(20, ignore_eos=True))
+    sim.step()
+    s.add_request("b", [4, 5, 6, 7, 8, 9], greedy(4, ignore_eos=True))
+    out, _ = sim.step()
+    assert [c[0] for c in chunks_of(out)] == ["a"]  # held: 6 tokens of 15 left in the budget
+    s.add_request("c", list(range(10, 19)), greedy(4, ignore_eos=True))
+    out, _ = sim.step()  # b + c = 15 tokens >= the 15 the decode row leaves: no reason to wait
+    assert [c[0] for c in chunks_of(out)] == ["b", "c", "a"]
+    s2, _ = make_held(1.0, budget=64, max_seqs=3)
+    sim2 = SimModel(s2)
+    s2.add_request("a", [1, 2, 3], greedy(20, ignore_eos=True))
+    sim2.step()
+    s2.add_request("b", [4], greedy(4, ignore_eos=True))
+    assert [c[0] for c in chunks_of(sim2.step()[0])] == ["a"]
+    s2.add_request("c", [5], greedy(4, ignore_eos=True))
+    assert [c[0] for c in chunks_of(sim2.step()[0])] == ["b", "c", "a"]  # b and c take the last two seats
+
+
+def test_no_hold_without_decodes_for_preempted_sequences_or_when_off():
+    s, clock = make_held(1.0)
+    sim = SimModel(s)
+    s.add_request("a", [1, 2, 3], greedy(4, ignore_eos=True))
+    s.add_request("b", [4, 5], greedy(4, ignore_eos=True))
+    out, _ = sim.step()  # nothing decodes yet: both admitted at once
+    assert [c[0] for c in chunks_of(out)] == ["a", "b"]
+    victim = s.running[-1]
+    s._preempt(victim)  # back to the waiting queue's head, with its output token
+    out, _ = sim.step()
+    assert [c[0] for c in chunks_of(out)] == ["b", "a"]  # resumes at once (prefill of its tokens), a decodes
+    off, _ = make_held(0.0)
+    sim_off = SimModel(off)
+    off.add_request("a", [1, 2, 3], greedy(20, ignore_eos=True))
+    sim_off.step()
+    off.add_request("b", [4, 5], greedy(4, ignore_eos=True))
+    assert [c[0] for c in chunks_of(sim_off.step()[0])] == ["b", "a"]
+
+
+def test_prefill_batch_wait_is_validated_and_auto_resolves_by_device():
+    with pytest.raises(ValueError, match="prefill_batch_wait_s"):
+        EngineConfig(prefill_batch_wait_s=-1.0)
+    assert EngineConfig().prefill_batch_wait_s is None
