@@ -33,9 +33,6 @@ class ParallelConfig:
         return self.tp * self.dp
 
 
-PREFILL_BATCH_WAIT_CUDA_S = 0.005  # `prefill_batch_wait_s` where it is None and the shard runs on CUDA
-
-
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Scheduler, KV pool and batching limits of one engine (one model instance)."""
@@ -78,12 +75,12 @@ class EngineConfig:
     # the shard runs on CUDA, off on the CPU (no compiles there).
     warmup: bool | None = None
     # prefill_batch_wait_s: while sequences decode, a newly arrived prompt waits up to this long for others to
-    # share its prefill step (Ray Serve's `batch_wait_timeout_s`, for prompts). Prompts of a client's wave reach
-    # the engine through HTTP a few ms apart; each alone costs a whole prefill step (it reads every expert's
-    # weights) that stalls every decoding stream, where together they cost one (docs/benchmarks.md S3). It never
-    # holds a prompt when nothing decodes, when the waiting prompts fill the step's token budget or the free seats,
-    # or a preempted sequence. None: 5 ms where the shard runs on CUDA (about one decode step), 0 (off) elsewhere.
-    prefill_batch_wait_s: float | None = None
+    # share its prefill step (Ray Serve's `batch_wait_timeout_s`, for prompts): each prompt alone costs a whole
+    # prefill step (it reads every expert's weights) that stalls every decoding stream. Never held when nothing
+    # decodes, when the waiting prompts fill the step's token budget or the free seats, or a preempted sequence.
+    # Off by default: at 5 ms it was neutral on the H200 at 16 streams (docs/benchmarks.md S3), where a wave's
+    # arrivals through HTTP spread over 15-50 ms, not a decode step.
+    prefill_batch_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1:
@@ -98,7 +95,7 @@ class EngineConfig:
             raise ValueError("kv_cache_bytes: must be >= 1")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages: must be >= 1")
-        if self.prefill_batch_wait_s is not None and not 0.0 <= self.prefill_batch_wait_s <= 10.0:
+        if not 0.0 <= self.prefill_batch_wait_s <= 10.0:
             raise ValueError("prefill_batch_wait_s: must be in [0, 10] seconds")
         if not 0.0 <= self.admission_watermark < 1.0:
             raise ValueError("admission_watermark: must be in [0, 1)")

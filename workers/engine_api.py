@@ -33,7 +33,7 @@ from pathlib import Path
 
 from msa.config import load_config
 from workers.batch import StepBatch
-from workers.config import PREFILL_BATCH_WAIT_CUDA_S, EngineConfig, Role
+from workers.config import EngineConfig, Role
 from workers.core import EngineCore, EngineCoreOutput
 from workers.engine_kv import EngineKV
 from workers.executor import ExecutorDeadError
@@ -99,12 +99,9 @@ class EngineAPI(EngineKV):
         where the shard runs in this process (EngineCore)."""
         self.num_pages: int = info["num_pages"]  # per rank
         self.page_size: int = info["page_size"]
-        on_cuda = str(info.get("device", "")).startswith("cuda")
         if self.engine_config.async_scheduling is None:  # auto: on for a CUDA shard (EngineConfig)
+            on_cuda = str(info.get("device", "")).startswith("cuda")
             self.engine_config = dataclasses.replace(self.engine_config, async_scheduling=on_cuda)
-        if self.engine_config.prefill_batch_wait_s is None:  # auto: about a decode step on a CUDA shard
-            self.engine_config = dataclasses.replace(self.engine_config,
-                                                     prefill_batch_wait_s=PREFILL_BATCH_WAIT_CUDA_S if on_cuda else 0.0)
         core = EngineCore(self.engine_config, num_pages=self.num_pages, page_size=self.page_size,
                           eos_token_ids=self.eos_token_ids, vocab_size=self.model_config.vocab_size, role=self.role,
                           grammars=self.grammars, seq_deltas=seq_deltas)

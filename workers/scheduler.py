@@ -405,7 +405,7 @@ class Scheduler:
         (`prefill_batch_wait_s`): only while this step decodes (otherwise the device would idle), for a fresh
         prompt at the head of the queue (never a preempted or forked sequence), until it has waited that long or
         the waiting prompts fill the step's token budget or the free seats."""
-        wait = self.config.prefill_batch_wait_s or 0.0
+        wait = self.config.prefill_batch_wait_s
         if wait <= 0.0 or not self.waiting or not any(c.is_decode for c in chunks):
             return False
         head = self.waiting[0]

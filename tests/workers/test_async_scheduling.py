@@ -310,15 +310,11 @@ def test_the_default_switch_is_off_on_the_cpu_and_an_explicit_one_is_kept(tiny_c
     from workers.configio import from_dict
 
     assert EngineConfig().async_scheduling is None
-    # prefill_batch_wait_s resolves the same way: None -> off on the CPU, a given value is kept
-    for (given, want), (wait, want_wait) in zip(((None, False), (True, True), (False, False)),
-                                                 ((None, 0.0), (0.25, 0.25), (0.0, 0.0))):
-        eng = Engine(tiny_ckpt, engine_config=EngineConfig(num_pages=32, async_scheduling=given,
-                                                           prefill_batch_wait_s=wait))
+    for given, want in ((None, False), (True, True), (False, False)):
+        eng = Engine(tiny_ckpt, engine_config=EngineConfig(num_pages=32, async_scheduling=given))
         try:
             assert eng.engine_config.async_scheduling is want and eng._runs_async() is want
             assert eng.core.config.async_scheduling is want  # the core schedules ahead only if the engine does
-            assert eng.core.scheduler.config.prefill_batch_wait_s == want_wait
         finally:
             eng.shutdown()
     assert from_dict(EngineConfig, {"async_scheduling": None}).async_scheduling is None

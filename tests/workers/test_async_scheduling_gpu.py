@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from workers.config import PREFILL_BATCH_WAIT_CUDA_S, EngineConfig
+from workers.config import EngineConfig
 from workers.engine import Engine
 from workers.request import SamplingParams
 
@@ -72,6 +72,5 @@ def test_async_scheduling_is_the_default_on_cuda(tiny_ckpt):
                  device="cuda", executor="local")
     try:
         assert eng.engine_config.async_scheduling is True and eng._runs_async()
-        assert eng.core.scheduler.config.prefill_batch_wait_s == PREFILL_BATCH_WAIT_CUDA_S  # its auto value
     finally:
         eng.shutdown()

@@ -351,7 +351,7 @@ def test_no_hold_without_decodes_for_preempted_sequences_or_when_off():
     assert [c[0] for c in chunks_of(sim_off.step()[0])] == ["b", "a"]
 
 
-def test_prefill_batch_wait_is_validated_and_auto_resolves_by_device():
+def test_prefill_batch_wait_is_validated_and_off_by_default():
     with pytest.raises(ValueError, match="prefill_batch_wait_s"):
         EngineConfig(prefill_batch_wait_s=-1.0)
-    assert EngineConfig().prefill_batch_wait_s is None
+    assert EngineConfig().prefill_batch_wait_s == 0.0
