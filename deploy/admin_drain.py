@@ -2,11 +2,11 @@
 
 `m3serve serve` drains every ingress replica on SIGTERM through `Ingress.drain` (deploy/serve_cmd.py). On
 Kubernetes nothing signals the app: KubeRay stops pods, and a stopping worker pod's preStop hook is the only place
-to act before its processes die. The hook calls this route on its own pod's Serve proxy, which sends it to the
-pod's own ingress replica (Serve's proxies prefer replicas on their node). The drain is the CLI's: new requests on
-that replica get 503 `shutting_down` + Retry-After, its readiness goes 503 (so Kubernetes takes the pod out of the
-Service), requests in flight get the grace period, the rest end with an error event and `[DONE]`; the answer
-comes when the drain is over.
+to act before its processes die. The hook calls this route on its own pod's ingress replica(s): on each one's own
+direct-ingress port behind HAProxy, else through the pod's Serve proxy (which prefers replicas on its node). The
+drain is the CLI's: new requests on that replica get 503 `shutting_down` + Retry-After, its readiness goes 503 (so
+Kubernetes takes the pod out of the Service), requests in flight get the grace period, the rest end with an error
+event and `[DONE]`; the answer comes when the drain is over.
 
 The request may name the node it means (`node_ip`, the pod's IP): a replica on another node answers 409
 `other_node` and does NOT drain, so a proxy that sent the call elsewhere can never take a healthy pod's ingress

@@ -258,9 +258,10 @@ Called with (dict "root" $ "metadataOnly" bool).
 
 {{/* Graceful shutdown: `ray stop` lets the raylet drain before the pod goes away. */}}
 {{/*
-preStop. Worker pods (`drain`: true) first drain their own ingress replica(s) through POST /admin/drain on the
-pod's Serve proxy (deploy/drain_hook.py; readiness goes 503, new requests get 503 + Retry-After, requests in
-flight get serve.drain_grace_s, the rest end with an error event), then stop Ray. The hook always exits 0.
+preStop. Worker pods (`drain`: true) first drain their own ingress replica(s) through POST /admin/drain, on each
+replica's direct-ingress port behind HAProxy, else on the pod's Serve proxy (deploy/drain_hook.py; readiness goes
+503, new requests get 503 + Retry-After, requests in flight get serve.drain_grace_s, the rest end with an error
+event), then stop Ray. The hook always exits 0.
 */}}
 {{- define "m3serve.lifecycle" -}}
 {{- $g := .root.Values.gracefulShutdown -}}
