@@ -102,6 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                    help="KV pool = this fraction of the free memory after weights (headroom for the reference "
                         "prefill attention's score matrices)")
+    p.add_argument("--ingress-replicas", type=int, default=None,
+                   help="ServeConfig.ingress_replicas (default: the deployment's own, 1)")
     p.add_argument("--prefill-batch-wait-s", type=float, default=None,
                    help="EngineConfig.prefill_batch_wait_s of every engine (default: the engine's own, null)")
     p.add_argument("--request-timeout", type=float, default=60.0, help="seconds per request")
@@ -267,6 +269,8 @@ def serve_config(args: argparse.Namespace, mode: str, model_dir: str) -> dict[st
                               "disaggregate": mode == "pd",
                               "transfer": {"timeout_s": 30.0, "lease_s": 60.0, "retry_prefill": False,
                                            "announce": args.announce}}
+    if args.ingress_replicas is not None:
+        config["ingress_replicas"] = args.ingress_replicas
     if mode == "pd":
         config["prefill"] = dict(group)
         config["decode"] = dict(group)
