@@ -412,7 +412,8 @@ def format_phase(label: str, short_summary: dict, diag: dict) -> list[str]:
         lines.append(
             f"{pad}steps p50/p99/max {_pp(st['step_ms'], 'p50', 'p99', 'max')} (decode-only "
             f"{_pp(st['decode_only_step_ms'], 'p50', 'p99')}, with prefill "
-            f"{_pp(st['with_prefill_step_ms'], 'p50', 'max')}, n {st['n']}) | busy wall: forward "
+            f"{_pp(st['with_prefill_step_ms'], 'p50', 'max')} in {st['with_prefill_step_ms'].get('n', 0)}, n "
+            f"{st['n']}) | busy wall: forward "
             f"{_pct(bf.get('forward'))}, in-step host {_pct(bf.get('in_step_host'))}, publish "
             f"{_pct(bf.get('publish'))}, between steps {_pct(between)} = not forward "
             f"{_pct(st.get('not_forward_fraction'))}")

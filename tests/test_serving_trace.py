@@ -152,6 +152,7 @@ def test_diagnose_phase_end_to_end_is_json_and_prints_a_few_lines():
     assert diag["serve_hops"]["step_to_client_ms"]["n"] == 3
     lines = st.format_phase("[unified] mixed", {"median_tpot_ms": 62.5, "p99_tpot_ms": 62.5}, diag)
     assert 3 <= len(lines) <= 6 and lines[0].startswith("[unified] mixed") and "1st->2nd" in lines[0]
+    assert "in 0, n 3)" in lines[1], lines[1]  # how many steps had prefill rows: none of the three
     # no server timeline (fetch failed): the client side alone
     alone = st.diagnose_phase(trace, None)
     assert alone["worst"][0]["id"] == rid and "steps" not in alone
