@@ -22,6 +22,7 @@ from deploy.ingress import Ingress, model_name_for
 from deploy.metrics_hub import HUB_NAME, HUB_NUM_CPUS, MetricsHub
 from deploy.router import Router
 from deploy.server import EngineServer, resolve_model_dir
+from deploy.stream.chunks import replica_actor_options
 from workers.configio import REPO_ROOT, read_yaml
 
 ARG_KEYS = ("config", "config_file", "overrides")
@@ -67,8 +68,8 @@ def engine_options(config: ServeConfig, role: str, index: int) -> dict[str, Any]
         actor["num_gpus"] = 1  # a single-shard engine runs its model in the replica process itself
     # Let every request reach the engine, which answers 429 beyond its waiting bound (Serve would queue them).
     max_ongoing = config.engine.max_num_seqs + config.engine.max_waiting + 64
-    return {"name": f"EngineServer-{role}-{index}", "num_replicas": 1, "ray_actor_options": actor,
-            "max_ongoing_requests": max_ongoing}
+    return {"name": f"EngineServer-{role}-{index}", "num_replicas": 1,
+            "ray_actor_options": replica_actor_options(**actor), "max_ongoing_requests": max_ongoing}
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -90,8 +91,8 @@ def wire_app(args: dict[str, Any] | None, *, engine_server, router, ingress=Ingr
     }
     hub = MetricsHub.options(name=HUB_NAME, ray_actor_options={"num_cpus": HUB_NUM_CPUS}).bind()
     router_app = router.options(name="Router", num_replicas=config.router_replicas,
-                                ray_actor_options={"num_cpus": ROUTER_NUM_CPUS}).bind(
+                                ray_actor_options=replica_actor_options(num_cpus=ROUTER_NUM_CPUS)).bind(
         engines, config, metrics_hub=hub, model_name=model_name)
     return ingress.options(name="Ingress", num_replicas=config.ingress_replicas,
-                           ray_actor_options={"num_cpus": INGRESS_NUM_CPUS}).bind(
+                           ray_actor_options=replica_actor_options(num_cpus=INGRESS_NUM_CPUS)).bind(
         router_app, config, model_dir, model_name)

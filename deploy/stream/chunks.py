@@ -105,6 +105,10 @@ class EventQueue:
 # what piled up meanwhile (measured, benchmarks/bench_serve_stream.py: 1 -> 2.4 tokens per chunk, half the CPU per
 # token in every process, Serve TPOT +200% -> +35% over in-process on 2 cores). Handles are then called from that
 # loop too, so their router needs no loop of its own. Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED sets the same two.
+# deploy/app.py sets them on the Ingress, Router and EngineServer replicas (docs/benchmarks.md S4, session 16): behind
+# HAProxy the Ingress serves HTTP itself (direct ingress), and with user code on its own thread every SSE chunk
+# crossed threads on its way to the socket: 132 against 166 ms of Ingress CPU per 1k tokens (medians of 5-6 runs),
+# the chunk's hop to the client 3 ms against 9. (A 2026-11-30 GPU run behind Serve's proxy saw no TPOT change.)
 REPLICA_ENV_VARS = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
