@@ -5,11 +5,16 @@ Engines return plain stats dataclasses (`workers.stats`); `EngineMetrics` turns 
     metrics = EngineMetrics(model_name="tiny", role="unified", replica="0")
     metrics.record_request(request_stats)   # latency histograms, token and outcome counters
     metrics.record_step(step_stats)         # step time, batch size
+    metrics.record_steps(step_stats_list)   # the same for a tick's steps (one counter add, one gauge set)
     metrics.record_engine(engine_stats)     # gauges + cumulative counters (as deltas)
     metrics.record_transfer(transfer_stats) # KV transfer latency, size, bytes
 
 `EngineReporter` runs that feed for one engine replica: a daemon thread that polls the engine every
 `interval_s` and re-sets the gauges (Ray drops a gauge that is not refreshed within ~2 s, measured on 2.60).
+Its thread shares the GIL with the engine's step thread, so a tick's Python time is the step's time too: on the
+H200 a tick of ~300 steps' records stalled a 1.6 ms decode step to 9-20 ms twice a second (docs/benchmarks.md
+S5). So histograms are recorded through observers bound once per (metric, labels) (`Sink.bind`: no label dict
+or registry lookup per value), and a tick's steps add to the step counter once and set the batch gauge once.
 
 How the numbers reach Prometheus (decided; docs/observability.md has the scrape config):
 - In a Ray Serve replica the default sink is `ray.util.metrics`. Every Ray node's metrics agent exports what
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
@@ -41,6 +47,7 @@ logger = logging.getLogger("m3serve.metrics")
 __all__ = [
     "LABELS", "METRICS", "MetricSpec", "REGISTERED_PREFIX", "EXPORT_PREFIX", "spec", "exported_name",
     "request_observations", "INGRESS_METRICS", "ROUTER_METRICS", "INGRESS", "ROUTER", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
+    "Observer", "bind_observer",
 ]
 
 REGISTERED_PREFIX = "m3serve_"  # what deploy/ registers with the backend
@@ -207,6 +214,19 @@ class Sink(Protocol):
     def observe(self, spec: MetricSpec, value: float, labels: Mapping[str, str]) -> None: ...
 
 
+Observer = Callable[[float], None]
+
+
+def bind_observer(sink: Any, s: MetricSpec, labels: Mapping[str, str]) -> Observer:
+    """`value -> None` that observes into `s` with `labels`: the sink's own `bind` where it has one (lookups done
+    once), else a plain `observe` call per value."""
+    bind = getattr(sink, "bind", None)
+    if bind is not None:
+        return bind(s, labels)
+    labels = dict(labels)
+    return lambda value: sink.observe(s, value, labels)
+
+
 class RayMetricsSink:
     """`ray.util.metrics` instruments, created once per process (Ray merges same-named ones per node)."""
 
@@ -238,6 +258,10 @@ class RayMetricsSink:
 
     def observe(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
         self._get(s).observe(value, dict(labels))
+
+    def bind(self, s: MetricSpec, labels: Mapping[str, str]) -> Observer:
+        inst, tags = self._get(s), dict(labels)
+        return lambda value: inst.observe(value, tags)
 
 
 class PrometheusClientSink:
@@ -285,6 +309,9 @@ class PrometheusClientSink:
     def observe(self, s: MetricSpec, value: float, labels: Mapping[str, str]) -> None:
         self._get(s).labels(**labels).observe(value)
 
+    def bind(self, s: MetricSpec, labels: Mapping[str, str]) -> Observer:
+        return self._get(s).labels(**labels).observe
+
     def exposition(self) -> bytes:
         import prometheus_client as pc
 
@@ -302,12 +329,19 @@ class EngineMetrics:
         self._cumulative: dict[str, int] = {}  # last cumulative engine counts, to turn them into increments
         self._gauges: dict[str, float] = {}
         self._last_batch_size: int | None = None  # None until the engine reports steps
+        self._observers: dict[str, Observer] = {}  # bound once per histogram: the label set never changes
 
     def _inc(self, name: str, value: float, **extra: str) -> None:
         self.sink.inc(_BY_NAME[name], value, {**self.labels, **extra})
 
+    def _observer(self, name: str) -> Observer:
+        fn = self._observers.get(name)
+        if fn is None:
+            fn = self._observers[name] = bind_observer(self.sink, _BY_NAME[name], self.labels)
+        return fn
+
     def _observe(self, name: str, value: float) -> None:
-        self.sink.observe(_BY_NAME[name], value, self.labels)
+        self._observer(name)(value)
 
     def _set(self, name: str, value: float) -> None:
         self._gauges[name] = float(value)
@@ -327,15 +361,26 @@ class EngineMetrics:
             return
         self._inc("request_success", 1, finished_reason=stats.finished_reason or "unknown")
         for name, values in request_observations(stats).items():
+            observe = self._observer(name)
             for v in values:
-                self._observe(name, v)
+                observe(v)
 
     def record_step(self, stats: StepStats) -> None:
-        self._observe("engine_step_seconds", stats.step_time)
-        self._observe("engine_step_host_overhead_seconds", stats.host_overhead)
-        self._inc("engine_steps", 1)
-        self._last_batch_size = stats.batch_size
-        self._set("batch_size", stats.batch_size)
+        self.record_steps((stats,))
+
+    def record_steps(self, steps: Iterable[StepStats]) -> None:
+        """Steps in the order they ran: each one's histograms, one counter add for all, the last batch size."""
+        step_s, host_s = self._observer("engine_step_seconds"), self._observer("engine_step_host_overhead_seconds")
+        n, last = 0, None
+        for last in steps:
+            step_s(last.step_time)
+            host_s(last.host_overhead)
+            n += 1
+        if last is None:
+            return
+        self._inc("engine_steps", n)
+        self._last_batch_size = last.batch_size
+        self._set("batch_size", last.batch_size)
 
     def record_engine(self, stats: EngineStats) -> None:
         """A snapshot: sets the gauges and adds what the cumulative engine counters grew by since the last one."""
@@ -398,17 +443,20 @@ class EngineReporter:
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # (wall start, seconds) of recent ticks: a benchmark matches a slow engine step with a tick (debug_timeline)
+        self.ticks: deque[tuple[float, float]] = deque(maxlen=4096)
 
     def tick(self) -> None:
         with self._tick_lock:
-            for step in _call_optional(self.engine, "pop_step_stats"):
-                self.metrics.record_step(step)
+            wall, t0 = time.time(), time.perf_counter()
+            self.metrics.record_steps(_call_optional(self.engine, "pop_step_stats"))
             for req in _call_optional(self.engine, "pop_request_stats"):
                 self.metrics.record_request(req)
                 self._recent.append(req)
             for tr in _call_optional(self.engine, "pop_transfer_stats"):
                 self.metrics.record_transfer(tr)
             self.metrics.record_engine(self.engine.stats())
+            self.ticks.append((wall, time.perf_counter() - t0))
 
     def drain_requests(self) -> list[RequestStats]:
         """The finished requests recorded since the last drain (at most `keep_requests`), oldest first."""

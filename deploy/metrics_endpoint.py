@@ -36,7 +36,7 @@ import time
 from typing import Any, Iterable
 
 from deploy.metrics import (INGRESS, INGRESS_METRICS, REGISTERED_PREFIX, ROUTER, ROUTER_METRICS, MetricSpec,
-                            PrometheusClientSink, RayMetricsSink, Sink)
+                            Observer, PrometheusClientSink, RayMetricsSink, Sink, bind_observer)
 
 logger = logging.getLogger("m3serve.metrics")
 
@@ -97,6 +97,14 @@ class TeeSink:
     def observe(self, s: MetricSpec, value: float, labels) -> None:
         for sink in self.sinks:
             sink.observe(s, value, labels)
+
+    def bind(self, s: MetricSpec, labels) -> Observer:
+        observers = tuple(bind_observer(sink, s, labels) for sink in self.sinks)
+
+        def observe(value: float) -> None:
+            for fn in observers:
+                fn(value)
+        return observe
 
 
 class ReplicaExport:

@@ -23,6 +23,7 @@ events at once (first events included), so the Serve cost per step does not grow
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -171,7 +172,11 @@ class EngineServer(KVSide):
 
             sink, self._export = replica_sinks(self._role)
             metrics = EngineMetrics(model_name=self._model_name, role=self._role, replica=self._index, sink=sink)
-            self._reporter = EngineReporter(_TransferCounting(self._engine, self._transfer_totals), metrics).start()
+            # M3SERVE_METRICS_INTERVAL_S: how often the engine's stats feed the metrics (default 0.5 s; Ray forgets a
+            # gauge not re-set within ~2 s, so keep it under that)
+            interval = float(os.environ.get("M3SERVE_METRICS_INTERVAL_S") or 0.5)
+            self._reporter = EngineReporter(_TransferCounting(self._engine, self._transfer_totals), metrics,
+                                            interval_s=interval).start()
         except Exception:  # metrics must never keep the engine from serving
             logger.exception("engine %s-%d: metrics reporter failed to start", self._role, self._index)
 
@@ -401,6 +406,8 @@ class EngineServer(KVSide):
             out.update(self._engine.debug_timeline(since))
         out["serve_marks"] = [m for m in list(self._serve_marks) if m[0] >= since]
         out["gc"] = self._gc_pauses.since(since)  # (time, seconds, generation, collected)
+        # the metrics reporter's ticks (wall start, seconds): its thread shares the GIL with the step thread
+        out["metrics_ticks"] = [] if self._reporter is None else [t for t in list(self._reporter.ticks) if t[0] >= since]
         return out
 
     def _mark_chunk(self, request_id: str, chunk: EngineChunk) -> None:

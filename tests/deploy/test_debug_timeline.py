@@ -37,3 +37,10 @@ def test_debug_timeline_has_the_steps_and_chunks_of_a_streamed_request(serve_app
     # the replica's garbage collections since then (deploy/gc_pauses.py): (time, seconds, generation, collected)
     assert isinstance(tl["gc"], list)
     assert all(len(p) == 4 and since <= p[0] <= tl["now"] and p[1] >= 0 and p[2] in (0, 1, 2) for p in tl["gc"])
+    # the metrics reporter's ticks since then (deploy/metrics.py EngineReporter: every 0.5 s while it runs)
+    deadline = time.time() + 10
+    while not tl["metrics_ticks"] and time.time() < deadline:
+        time.sleep(0.6)
+        tl = engine.debug_timeline.remote(since).result(timeout_s=30)
+    assert tl["metrics_ticks"], "no metrics tick recorded in 10 s"
+    assert all(len(t) == 2 and since <= t[0] <= tl["now"] and t[1] >= 0 for t in tl["metrics_ticks"])

@@ -153,6 +153,47 @@ def test_record_engine_sets_gauges_and_turns_cumulative_counts_into_increments()
     assert _sample(sink, "ray_m3serve_batch_size", **lab) == 0  # idle engine
 
 
+class _CallLog:
+    """A sink without `bind`: records every call, so the feed's fallback and its call counts are visible."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float]] = []
+
+    def inc(self, s, value, labels):
+        self.calls.append(("inc", s.name, value))
+
+    def set(self, s, value, labels):
+        self.calls.append(("set", s.name, value))
+
+    def observe(self, s, value, labels):
+        self.calls.append(("observe", s.name, value))
+
+
+def test_record_steps_observes_each_step_and_counts_them_in_one_add():
+    """A tick's steps: both histograms get every step (bound observers, through a tee to two kinds of sink), the
+    step counter one add for the lot, the batch gauge the last step's size."""
+    from deploy.metrics_endpoint import TeeSink
+
+    prom, log = PrometheusClientSink(), _CallLog()
+    m = EngineMetrics("tiny", "unified", 0, sink=TeeSink(prom, log))
+    steps = [StepStats(step_time=t, host_overhead=t / 4, batch_size=b, num_decode_tokens=b)
+             for t, b in ((0.001, 1), (0.004, 3), (0.5, 2))]
+    m.record_steps(steps)
+    m.record_steps([])  # an idle tick records nothing
+    lab = _labels()
+    assert _sample(prom, "ray_m3serve_engine_step_seconds_count", **lab) == 3
+    assert _sample(prom, "ray_m3serve_engine_step_seconds_sum", **lab) == pytest.approx(0.505)
+    assert _sample(prom, "ray_m3serve_engine_step_host_overhead_seconds_sum", **lab) == pytest.approx(0.505 / 4)
+    assert _sample(prom, "ray_m3serve_engine_step_seconds_bucket", **lab, le=floatToGoString(0.005)) == 2
+    assert _sample(prom, "ray_m3serve_engine_steps_total", **lab) == 3
+    assert _sample(prom, "ray_m3serve_batch_size", **lab) == 2
+    assert [c for c in log.calls if c[0] != "observe"] == [("inc", "engine_steps", 3), ("set", "batch_size", 2)]
+    assert [v for kind, name, v in log.calls if name == "engine_step_seconds"] == [0.001, 0.004, 0.5]
+    m.record_step(StepStats(step_time=0.002, host_overhead=0.0, batch_size=5, num_decode_tokens=5))
+    assert _sample(prom, "ray_m3serve_engine_steps_total", **lab) == 4
+    assert _sample(prom, "ray_m3serve_batch_size", **lab) == 5
+
+
 def test_record_transfer_counts_bytes_exactly():
     sink = PrometheusClientSink()
     m = EngineMetrics("tiny", "prefill", 0, sink=sink)
@@ -292,3 +333,4 @@ def test_reporter_feeds_metrics_from_a_real_engine_and_keeps_requests_for_others
     assert reporter.drain_requests() == []
     reporter.tick()  # nothing new: counters unchanged
     assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 3
+    assert len(reporter.ticks) == 2 and all(secs >= 0 for _, secs in reporter.ticks)  # timed, for debug_timeline
