@@ -387,7 +387,7 @@ def format_result(args, res: dict) -> str:
         lines.append(f"    decode steps p99/max {st.get('p99')}/{st.get('max')} ms" + ("" if not gcs else (
             f"; gc: {gcs['n']} collections ({gcs['gen2']} full), max {gcs['max_ms']:.1f} ms, steps over 10 ms "
             f"{gcs['slow_steps']}, {gcs['slow_with_gc']} beside a collection, {gcs.get('slow_with_tick')} beside a "
-            f"metrics tick (max {gcs.get('tick_max_ms', 0):.1f} ms)")))
+            f"metrics tick (max {gcs.get('tick_max_ms', 0):.1f} ms, CPU max {gcs.get('tick_cpu_max_ms', 0):.1f})")))
         lines.append("    TTFT split p50 (ms): " + ", ".join(f"{k} {v}" for k, v in r["ttft_split_p50_ms"].items()))
         lines.append("    CPU ms per 1k tokens (% of a core): " + ", ".join(
             f"{n} {c['ms_per_1k_tokens']} ({c['core_pct']}%)" for n, c in r["cpu"].items()))

@@ -172,9 +172,10 @@ class Replica:
             self._marks.setdefault((kind, rid), (t - t0, {k: v - t0 for k, v in (phases or {}).items()}))
         # the process's garbage collections (deploy/gc_pauses.py): (start, seconds, generation); None: not recorded
         self.gc = None if "gc" not in timeline else sorted((t - t0, secs, gen) for t, secs, gen, _ in timeline["gc"])
-        # the metrics reporter's ticks (deploy/metrics.py EngineReporter): (start, seconds); None: not recorded
-        self.ticks = None if "metrics_ticks" not in timeline else sorted((t - t0, secs)
-                                                                         for t, secs in timeline["metrics_ticks"])
+        # the metrics reporter's ticks (deploy/metrics.py EngineReporter): (start, seconds, CPU seconds); None: not
+        # recorded
+        self.ticks = None if "metrics_ticks" not in timeline else sorted(
+            (t - t0, secs, cpu[0] if cpu else math.nan) for t, secs, *cpu in timeline["metrics_ticks"])
         self._serve: dict[tuple[str, str], float] = {}
         self._chunks: dict[str, list[tuple[float, int]]] = {}  # request id -> (time, tokens) of chunks with tokens
         for t, rid, kind, ntok in timeline.get("serve_marks", ()):
@@ -269,12 +270,13 @@ def gc_summary(replica: Replica, slow_ms: float = 10.0) -> dict[str, Any] | None
     pauses = [(t, secs, gen) for t, secs, gen in replica.gc if a <= t <= b]
     slow = [st for st in replica.steps if (st["end"] - st["start"]) * 1e3 > slow_ms]
     with_gc = [st for st in slow if any(_overlaps(st["start"], st["end"], t, t + secs) for t, secs, _ in pauses)]
-    ticks = [(t, secs) for t, secs in replica.ticks or () if a <= t <= b]
-    with_tick = [st for st in slow if any(_overlaps(st["start"], st["end"], t, t + secs) for t, secs in ticks)]
+    ticks = [x for x in replica.ticks or () if a <= x[0] <= b]
+    with_tick = [st for st in slow if any(_overlaps(st["start"], st["end"], t, t + secs) for t, secs, _ in ticks)]
     return {"n": len(pauses), "gen2": sum(1 for p in pauses if p[2] == 2),
             "max_ms": max((p[1] * 1e3 for p in pauses), default=0.0),
             "total_ms": sum(p[1] for p in pauses) * 1e3, "slow_steps": len(slow), "slow_with_gc": len(with_gc),
             "ticks": len(ticks), "tick_max_ms": max((x[1] * 1e3 for x in ticks), default=0.0),
+            "tick_cpu_max_ms": max((x[2] * 1e3 for x in ticks), default=0.0),
             "slow_with_tick": None if replica.ticks is None else len(with_tick)}
 
 
@@ -429,7 +431,7 @@ def format_phase(label: str, short_summary: dict, diag: dict) -> list[str]:
         lines.append(f"{pad}gc: {gcs['n']} collections ({gcs['gen2']} full), max {_f(gcs['max_ms'])} ms, total "
                      f"{_f(gcs['total_ms'])} ms | steps over 10 ms {gcs['slow_steps']}, {gcs['slow_with_gc']} of "
                      f"them beside a collection, {gcs.get('slow_with_tick', '-')} beside a metrics tick (ticks "
-                     f"{gcs.get('ticks', 0)}, max {_f(gcs.get('tick_max_ms'))} ms)")
+                     f"{gcs.get('ticks', 0)}, max {_f(gcs.get('tick_max_ms'))} ms, CPU max {_f(gcs.get('tick_cpu_max_ms'))} ms)")
     pre = diag.get("prefill_steps")
     if pre and pre.get("n"):  # a short prompt's step on the prefill replica is as long as what shares it
         lines.append(f"{pad}prefill replica steps p50/p99/max {_pp(pre['step_ms'], 'p50', 'p99', 'max')}, n "

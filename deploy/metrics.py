@@ -11,10 +11,11 @@ Engines return plain stats dataclasses (`workers.stats`); `EngineMetrics` turns 
 
 `EngineReporter` runs that feed for one engine replica: a daemon thread that polls the engine every
 `interval_s` and re-sets the gauges (Ray drops a gauge that is not refreshed within ~2 s, measured on 2.60).
-Its thread shares the GIL with the engine's step thread, so a tick's Python time is the step's time too: on the
-H200 a tick of ~300 steps' records stalled a 1.6 ms decode step to 9-20 ms twice a second (docs/benchmarks.md
+Its thread shares the GIL with the engine's step thread, so a tick's Python time can be the step's time too: on
+the H200 a tick run straight through stalled 1.6 ms decode steps to 6-20 ms twice a second (docs/benchmarks.md
 S5). So histograms are recorded through observers bound once per (metric, labels) (`Sink.bind`: no label dict
-or registry lookup per value), and a tick's steps add to the step counter once and set the batch gauge once.
+or registry lookup per value), a tick's steps add to the step counter once and set the batch gauge once, and the
+reporter's own ticks run in short slices with sleeps between them (`GilPacer`).
 
 How the numbers reach Prometheus (decided; docs/observability.md has the scrape config):
 - In a Ray Serve replica the default sink is `ray.util.metrics`. Every Ray node's metrics agent exports what
@@ -47,7 +48,7 @@ logger = logging.getLogger("m3serve.metrics")
 __all__ = [
     "LABELS", "METRICS", "MetricSpec", "REGISTERED_PREFIX", "EXPORT_PREFIX", "spec", "exported_name",
     "request_observations", "INGRESS_METRICS", "ROUTER_METRICS", "INGRESS", "ROUTER", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
-    "Observer", "bind_observer",
+    "Observer", "bind_observer", "GilPacer",
 ]
 
 REGISTERED_PREFIX = "m3serve_"  # what deploy/ registers with the backend
@@ -347,10 +348,10 @@ class EngineMetrics:
         self._gauges[name] = float(value)
         self.sink.set(_BY_NAME[name], float(value), self.labels)
 
-    def record_request(self, stats: RequestStats) -> None:
+    def record_request(self, stats: RequestStats, pace: Callable[[], None] | None = None) -> None:
         """One finished, aborted or failed request: token counters always, one outcome counter, and latency
         histograms only for requests that finished (an abort is no success: its latencies are the client's
-        choice, not the server's speed)."""
+        choice, not the server's speed). `pace` is called after each observation (`GilPacer`)."""
         self._inc("prompt_tokens", stats.prompt_tokens)
         self._inc("generation_tokens", stats.generation_tokens)
         if stats.failure_reason is not None:
@@ -364,18 +365,23 @@ class EngineMetrics:
             observe = self._observer(name)
             for v in values:
                 observe(v)
+                if pace is not None:
+                    pace()
 
     def record_step(self, stats: StepStats) -> None:
         self.record_steps((stats,))
 
-    def record_steps(self, steps: Iterable[StepStats]) -> None:
-        """Steps in the order they ran: each one's histograms, one counter add for all, the last batch size."""
+    def record_steps(self, steps: Iterable[StepStats], pace: Callable[[], None] | None = None) -> None:
+        """Steps in the order they ran: each one's histograms, one counter add for all, the last batch size;
+        `pace` is called after each step's observations (`GilPacer`)."""
         step_s, host_s = self._observer("engine_step_seconds"), self._observer("engine_step_host_overhead_seconds")
         n, last = 0, None
         for last in steps:
             step_s(last.step_time)
             host_s(last.host_overhead)
             n += 1
+            if pace is not None:
+                pace()
         if last is None:
             return
         self._inc("engine_steps", n)
@@ -424,6 +430,31 @@ def _call_optional(source: Any, method: str) -> Iterable[Any]:
     return fn() if fn is not None else ()
 
 
+class GilPacer:
+    """Cuts a reporter tick's Python work into slices of `slice_s` with a sleep of `pause_s` after each.
+
+    Why: the tick's thread and the engine's step thread share the GIL. Recording is per value (Ray's histograms
+    take no counts: ~2.5 us a value, and a tick at 16 streams has ~2,000 of them), so a tick run straight through
+    held the step thread off for 10-46 ms on the H200 (docs/benchmarks.md S5). With async scheduling the step
+    thread has slack while the device runs the step it launched (~1.3 ms at B = 1, ~3.5 ms at 16): a slice of
+    0.2 ms fits in it, and the sleep hands the GIL back before the next one. The tick takes ~6x longer on the
+    wall clock, still far under its interval."""
+
+    def __init__(self, slice_s: float = 2e-4, pause_s: float = 1e-3) -> None:
+        self.slice_s = slice_s
+        self.pause_s = pause_s
+        self._since = 0.0
+
+    def start(self) -> "GilPacer":
+        self._since = time.perf_counter()
+        return self
+
+    def __call__(self) -> None:
+        if time.perf_counter() - self._since >= self.slice_s:
+            time.sleep(self.pause_s)
+            self._since = time.perf_counter()
+
+
 class EngineReporter:
     """Feeds `EngineMetrics` from an engine (`Engine` or `AsyncEngine`) on a daemon thread.
 
@@ -443,20 +474,25 @@ class EngineReporter:
         self._stop = threading.Event()
         self._tick_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        # (wall start, seconds) of recent ticks: a benchmark matches a slow engine step with a tick (debug_timeline)
-        self.ticks: deque[tuple[float, float]] = deque(maxlen=4096)
+        # (wall start, seconds, this thread's CPU seconds) of recent ticks: a benchmark matches a slow engine step
+        # with a tick (debug_timeline); wall over CPU is time spent waiting for the GIL
+        self.ticks: deque[tuple[float, float, float]] = deque(maxlen=4096)
+        self._pacer = GilPacer()
 
-    def tick(self) -> None:
+    def tick(self, paced: bool = False) -> None:
+        """Feed what the engine has for the metrics. `paced` (the reporter's own thread): the work in short slices
+        with sleeps between them (`GilPacer`); a synchronous flush from elsewhere runs straight through."""
         with self._tick_lock:
-            wall, t0 = time.time(), time.perf_counter()
-            self.metrics.record_steps(_call_optional(self.engine, "pop_step_stats"))
+            wall, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
+            pace = self._pacer.start() if paced else None
+            self.metrics.record_steps(_call_optional(self.engine, "pop_step_stats"), pace)
             for req in _call_optional(self.engine, "pop_request_stats"):
-                self.metrics.record_request(req)
+                self.metrics.record_request(req, pace)
                 self._recent.append(req)
             for tr in _call_optional(self.engine, "pop_transfer_stats"):
                 self.metrics.record_transfer(tr)
             self.metrics.record_engine(self.engine.stats())
-            self.ticks.append((wall, time.perf_counter() - t0))
+            self.ticks.append((wall, time.perf_counter() - t0, time.thread_time() - cpu0))
 
     def drain_requests(self) -> list[RequestStats]:
         """The finished requests recorded since the last drain (at most `keep_requests`), oldest first."""
@@ -468,7 +504,7 @@ class EngineReporter:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.tick()
+                self.tick(paced=True)
             except Exception:  # a metrics hiccup must never take the replica down
                 logger.exception("metrics tick failed")
 

@@ -168,9 +168,10 @@ def test_gc_summary_matches_slow_steps_with_collections():
     assert math.isclose(got["max_ms"], 15.0) and math.isclose(got["total_ms"], 16.0)
     assert got["slow_with_tick"] is None  # no metrics ticks recorded (an older tree): unknown, not 0
     # the metrics reporter's ticks: one inside the second slow step, one between steps, one after the run
-    tl["metrics_ticks"] = [[T0 + 0.07, 0.002], [T0 + 0.1, 0.01], [T0 + 9.0, 0.5]]
+    tl["metrics_ticks"] = [[T0 + 0.07, 0.002, 0.001], [T0 + 0.1, 0.01, 0.003], [T0 + 9.0, 0.5, 0.4]]
     got = st.gc_summary(st.Replica(tl, T0))
     assert (got["ticks"], got["slow_with_tick"]) == (2, 1) and math.isclose(got["tick_max_ms"], 10.0)
+    assert math.isclose(got["tick_cpu_max_ms"], 3.0)
     del tl["metrics_ticks"]
     del tl["gc"]  # a replica that records none (older tree, in-process engine): no summary, no line
     assert st.gc_summary(st.Replica(tl, T0)) is None

@@ -43,4 +43,4 @@ def test_debug_timeline_has_the_steps_and_chunks_of_a_streamed_request(serve_app
         time.sleep(0.6)
         tl = engine.debug_timeline.remote(since).result(timeout_s=30)
     assert tl["metrics_ticks"], "no metrics tick recorded in 10 s"
-    assert all(len(t) == 2 and since <= t[0] <= tl["now"] and t[1] >= 0 for t in tl["metrics_ticks"])
+    assert all(len(t) == 3 and since <= t[0] <= tl["now"] and t[1] >= 0 and t[2] >= 0 for t in tl["metrics_ticks"])

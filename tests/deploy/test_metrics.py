@@ -194,6 +194,45 @@ def test_record_steps_observes_each_step_and_counts_them_in_one_add():
     assert _sample(prom, "ray_m3serve_batch_size", **lab) == 5
 
 
+def test_a_paced_tick_sleeps_between_slices_and_records_the_same(monkeypatch):
+    """The reporter's own ticks hand the GIL back between short slices of work (GilPacer); what they record is
+    what a straight tick records."""
+    import deploy.metrics as dm
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(dm.time, "sleep", lambda s: sleeps.append(s))
+
+    class Engine:
+        def __init__(self) -> None:
+            self.steps = [StepStats(step_time=0.002, host_overhead=0.0005, batch_size=1, num_decode_tokens=1)] * 5
+            self.requests = [_request()]
+
+        def pop_step_stats(self):
+            out, self.steps = self.steps, []
+            return out
+
+        def pop_request_stats(self):
+            out, self.requests = self.requests, []
+            return out
+
+        def stats(self):
+            return EngineStats(num_running=0)
+
+    samples = []
+    for paced in (False, True):
+        sink = PrometheusClientSink()
+        reporter = dm.EngineReporter(Engine(), EngineMetrics("tiny", "unified", 0, sink=sink))
+        reporter._pacer = dm.GilPacer(slice_s=0.0, pause_s=0.001)  # every call is past its slice
+        reporter.tick(paced=paced)
+        samples.append([(m.name, s.labels.get("le"), s.value) for m in sink.registry.collect() for s in m.samples
+                        if not s.name.endswith("_created")])
+        if not paced:
+            assert sleeps == []
+    assert samples[0] == samples[1]
+    # one sleep after each step and after each of the request's observations (4 tokens: 3 gaps + 6 phases)
+    assert len(sleeps) == 5 + 9 and set(sleeps) == {0.001}
+
+
 def test_record_transfer_counts_bytes_exactly():
     sink = PrometheusClientSink()
     m = EngineMetrics("tiny", "prefill", 0, sink=sink)
@@ -333,4 +372,4 @@ def test_reporter_feeds_metrics_from_a_real_engine_and_keeps_requests_for_others
     assert reporter.drain_requests() == []
     reporter.tick()  # nothing new: counters unchanged
     assert _sample(sink, "ray_m3serve_generation_tokens_total", **_labels()) == 3
-    assert len(reporter.ticks) == 2 and all(secs >= 0 for _, secs in reporter.ticks)  # timed, for debug_timeline
+    assert len(reporter.ticks) == 2 and all(secs >= 0 and cpu >= 0 for _, secs, cpu in reporter.ticks)  # timed
