@@ -438,20 +438,25 @@ class GilPacer:
     held the step thread off for 10-46 ms on the H200 (docs/benchmarks.md S5). With async scheduling the step
     thread has slack while the device runs the step it launched (~1.3 ms at B = 1, ~3.5 ms at 16): a slice of
     0.2 ms fits in it, and the sleep hands the GIL back before the next one. The tick takes ~6x longer on the
-    wall clock, still far under its interval."""
+    wall clock; past `max_sleep_s` of sleeps in one tick the rest runs straight through, so a tick's wall time
+    stays its work plus at most that (Ray forgets a gauge not re-set within ~2 s)."""
 
-    def __init__(self, slice_s: float = 2e-4, pause_s: float = 1e-3) -> None:
+    def __init__(self, slice_s: float = 2e-4, pause_s: float = 1e-3, max_sleep_s: float = 0.25) -> None:
         self.slice_s = slice_s
         self.pause_s = pause_s
+        self.max_sleep_s = max_sleep_s
         self._since = 0.0
+        self._slept = 0.0
 
     def start(self) -> "GilPacer":
         self._since = time.perf_counter()
+        self._slept = 0.0
         return self
 
     def __call__(self) -> None:
-        if time.perf_counter() - self._since >= self.slice_s:
+        if time.perf_counter() - self._since >= self.slice_s and self._slept < self.max_sleep_s:
             time.sleep(self.pause_s)
+            self._slept += self.pause_s
             self._since = time.perf_counter()
 
 

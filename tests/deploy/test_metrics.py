@@ -231,6 +231,12 @@ def test_a_paced_tick_sleeps_between_slices_and_records_the_same(monkeypatch):
     assert samples[0] == samples[1]
     # one sleep after each step and after each of the request's observations (4 tokens: 3 gaps + 6 phases)
     assert len(sleeps) == 5 + 9 and set(sleeps) == {0.001}
+    # a tick sleeps at most max_sleep_s in all; the rest of its work runs straight through
+    sleeps.clear()
+    reporter = dm.EngineReporter(Engine(), EngineMetrics("tiny", "unified", 0, sink=PrometheusClientSink()))
+    reporter._pacer = dm.GilPacer(slice_s=0.0, pause_s=0.001, max_sleep_s=0.0035)
+    reporter.tick(paced=True)
+    assert len(sleeps) == 4
 
 
 def test_record_transfer_counts_bytes_exactly():
