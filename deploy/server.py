@@ -22,6 +22,7 @@ events at once (first events included), so the Serve cost per step does not grow
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -428,10 +429,15 @@ class EngineServer(KVSide):
         return {"stats": await self.stats(), "counters": dict(self._counters), "instance": self._instance}
 
     async def pop_request_stats(self) -> list[RequestStats]:
-        # The metrics reporter is the engine's one consumer of finished-request stats; read them from it.
+        # The metrics reporter is the engine's one consumer of finished-request stats; read them from it. Off the
+        # event loop: a flush waits for a paced tick in progress (deploy/metrics.py GilPacer), and the loop streams.
         if self._reporter is not None:
-            self._reporter.tick()  # include what finished since the last tick
-            return self._reporter.drain_requests()
+            reporter = self._reporter
+
+            def flush() -> list[RequestStats]:
+                reporter.tick()  # include what finished since the last tick
+                return reporter.drain_requests()
+            return await asyncio.to_thread(flush)
         return [] if self._engine is None else self._engine.pop_request_stats()
 
     def _max_model_len(self) -> int:
