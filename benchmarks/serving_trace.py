@@ -431,7 +431,8 @@ def format_phase(label: str, short_summary: dict, diag: dict) -> list[str]:
         lines.append(f"{pad}gc: {gcs['n']} collections ({gcs['gen2']} full), max {_f(gcs['max_ms'])} ms, total "
                      f"{_f(gcs['total_ms'])} ms | steps over 10 ms {gcs['slow_steps']}, {gcs['slow_with_gc']} of "
                      f"them beside a collection, {gcs.get('slow_with_tick', '-')} beside a metrics tick (ticks "
-                     f"{gcs.get('ticks', 0)}, max {_f(gcs.get('tick_max_ms'))} ms, CPU max {_f(gcs.get('tick_cpu_max_ms'))} ms)")
+                     f"{gcs.get('ticks', 0)}, max {_f(gcs.get('tick_max_ms'))} ms, CPU max "
+                     f"{_f(gcs.get('tick_cpu_max_ms'))} ms)")
     pre = diag.get("prefill_steps")
     if pre and pre.get("n"):  # a short prompt's step on the prefill replica is as long as what shares it
         lines.append(f"{pad}prefill replica steps p50/p99/max {_pp(pre['step_ms'], 'p50', 'p99', 'max')}, n "

@@ -434,10 +434,12 @@ class GilPacer:
     """Cuts a reporter tick's Python work into slices of `slice_s` with a sleep of `pause_s` after each.
 
     Why: the tick's thread and the engine's step thread share the GIL. Recording is per value (Ray's histograms
-    take no counts: ~2.5 us a value, and a tick at 16 streams has ~2,000 of them), so a tick run straight through
-    held the step thread off for 10-46 ms on the H200 (docs/benchmarks.md S5). With async scheduling the step
-    thread has slack while the device runs the step it launched (~1.3 ms at B = 1, ~3.5 ms at 16): a slice of
-    0.2 ms fits in it, and the sleep hands the GIL back before the next one. The tick takes ~6x longer on the
+    take no counts; at 16 streams a tick holds every token gap of ~16 x 125 tokens). Run straight through, ticks
+    took 7-13 ms on the wall at one stream (up to 46 at 16) on the H200, and the decode steps beside them 6-12 ms
+    against 1.6 (docs/benchmarks.md S5). With async scheduling the step thread has slack while the device runs
+    the step it launched (roughly step time less host time: ~1.5 ms at B = 1, ~3.5 ms at 16 on the H200,
+    docs/benchmarks.md D5 / S5): a slice of 0.2 ms fits in it, and the sleep hands the GIL back before the next
+    one. The tick takes ~6x longer on the
     wall clock; past `max_sleep_s` of sleeps in one tick the rest runs straight through, so a tick's wall time
     stays its work plus at most that (Ray forgets a gauge not re-set within ~2 s)."""
 

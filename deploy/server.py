@@ -407,8 +407,10 @@ class EngineServer(KVSide):
             out.update(self._engine.debug_timeline(since))
         out["serve_marks"] = [m for m in list(self._serve_marks) if m[0] >= since]
         out["gc"] = self._gc_pauses.since(since)  # (time, seconds, generation, collected)
-        # the metrics reporter's ticks (wall start, seconds, CPU seconds): its thread shares the GIL with the step thread
-        out["metrics_ticks"] = [] if self._reporter is None else [t for t in list(self._reporter.ticks) if t[0] >= since]
+        # the metrics reporter's ticks (wall start, seconds, CPU seconds): its thread shares the GIL with the step
+        # thread
+        ticks = [] if self._reporter is None else list(self._reporter.ticks)
+        out["metrics_ticks"] = [t for t in ticks if t[0] >= since]
         return out
 
     def _mark_chunk(self, request_id: str, chunk: EngineChunk) -> None:
