@@ -8,14 +8,13 @@ Engines return plain stats dataclasses (`workers.stats`); `EngineMetrics` turns 
     metrics.record_steps(step_stats_list)   # the same for a tick's steps (one counter add, one gauge set)
     metrics.record_engine(engine_stats)     # gauges + cumulative counters (as deltas)
     metrics.record_transfer(transfer_stats) # KV transfer latency, size, bytes
+    metrics.record_tick(tick_batch)         # all of the above for what one reporter tick read
 
-`EngineReporter` runs that feed for one engine replica: a daemon thread that polls the engine every
-`interval_s` and re-sets the gauges (Ray drops a gauge that is not refreshed within ~2 s, measured on 2.60).
-Its thread shares the GIL with the engine's step thread, so a tick's Python time can be the step's time too: on
-the H200 a tick run straight through stalled 1.6 ms decode steps to 6-20 ms twice a second (docs/benchmarks.md
-S5). So histograms are recorded through observers bound once per (metric, labels) (`Sink.bind`: no label dict
-or registry lookup per value), a tick's steps add to the step counter once and set the batch gauge once, and the
-reporter's own ticks run in short slices with sleeps between them (`GilPacer`).
+`EngineReporter` reads that feed from one engine replica: a daemon thread that polls the engine every
+`interval_s` into a `TickBatch` (plain lists) and hands it to a recorder: `EngineMetrics.record_tick` in the same
+process, or, in a Serve engine replica, the replica's exporter actor (deploy/metrics_exporter.py), because
+recording is per value and in the replica's process it held the GIL the step thread needs (docs/benchmarks.md S5,
+S6). The gauges are re-set every tick (Ray drops a gauge that is not refreshed within ~2 s, measured on 2.60).
 
 How the numbers reach Prometheus (decided; docs/observability.md has the scrape config):
 - In a Ray Serve replica the default sink is `ray.util.metrics`. Every Ray node's metrics agent exports what
@@ -38,7 +37,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Literal, Mapping, Protocol
 
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
@@ -48,7 +47,7 @@ logger = logging.getLogger("m3serve.metrics")
 __all__ = [
     "LABELS", "METRICS", "MetricSpec", "REGISTERED_PREFIX", "EXPORT_PREFIX", "spec", "exported_name",
     "request_observations", "INGRESS_METRICS", "ROUTER_METRICS", "INGRESS", "ROUTER", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
-    "Observer", "bind_observer", "GilPacer",
+    "Observer", "bind_observer", "TickBatch", "TickRecorder",
 ]
 
 REGISTERED_PREFIX = "m3serve_"  # what deploy/ registers with the backend
@@ -348,10 +347,10 @@ class EngineMetrics:
         self._gauges[name] = float(value)
         self.sink.set(_BY_NAME[name], float(value), self.labels)
 
-    def record_request(self, stats: RequestStats, pace: Callable[[], None] | None = None) -> None:
+    def record_request(self, stats: RequestStats) -> None:
         """One finished, aborted or failed request: token counters always, one outcome counter, and latency
         histograms only for requests that finished (an abort is no success: its latencies are the client's
-        choice, not the server's speed). `pace` is called after each observation (`GilPacer`)."""
+        choice, not the server's speed)."""
         self._inc("prompt_tokens", stats.prompt_tokens)
         self._inc("generation_tokens", stats.generation_tokens)
         if stats.failure_reason is not None:
@@ -365,28 +364,38 @@ class EngineMetrics:
             observe = self._observer(name)
             for v in values:
                 observe(v)
-                if pace is not None:
-                    pace()
 
     def record_step(self, stats: StepStats) -> None:
         self.record_steps((stats,))
 
-    def record_steps(self, steps: Iterable[StepStats], pace: Callable[[], None] | None = None) -> None:
-        """Steps in the order they ran: each one's histograms, one counter add for all, the last batch size;
-        `pace` is called after each step's observations (`GilPacer`)."""
+    def record_steps(self, steps: Iterable[StepStats]) -> None:
+        """Steps in the order they ran: each one's histograms, one counter add for all, the last batch size."""
+        steps = list(steps)
+        self._record_step_times([s.step_time for s in steps], [s.host_overhead for s in steps],
+                                steps[-1].batch_size if steps else None)
+
+    def _record_step_times(self, step_times: list[float], host_overheads: list[float],
+                           last_batch_size: int | None) -> None:
         step_s, host_s = self._observer("engine_step_seconds"), self._observer("engine_step_host_overhead_seconds")
-        n, last = 0, None
-        for last in steps:
-            step_s(last.step_time)
-            host_s(last.host_overhead)
-            n += 1
-            if pace is not None:
-                pace()
-        if last is None:
+        for t in step_times:
+            step_s(t)
+        for t in host_overheads:
+            host_s(t)
+        if not step_times:
             return
-        self._inc("engine_steps", n)
-        self._last_batch_size = last.batch_size
-        self._set("batch_size", last.batch_size)
+        self._inc("engine_steps", len(step_times))
+        self._last_batch_size = last_batch_size
+        self._set("batch_size", last_batch_size)
+
+    def record_tick(self, batch: "TickBatch") -> None:
+        """What one reporter tick read from the engine: steps, finished requests, transfers, then the snapshot."""
+        self._record_step_times(batch.step_times, batch.host_overheads, batch.last_batch_size)
+        for req in batch.requests:
+            self.record_request(req)
+        for tr in batch.transfers:
+            self.record_transfer(tr)
+        if batch.engine is not None:
+            self.record_engine(batch.engine)
 
     def record_engine(self, stats: EngineStats) -> None:
         """A snapshot: sets the gauges and adds what the cumulative engine counters grew by since the last one."""
@@ -425,55 +434,51 @@ class EngineMetrics:
             self.sink.set(_BY_NAME[name], value, self.labels)
 
 
-def _call_optional(source: Any, method: str) -> Iterable[Any]:
+def _call_optional(source: Any, method: str) -> list[Any]:
     fn: Callable[[], Iterable[Any]] | None = getattr(source, method, None)
-    return fn() if fn is not None else ()
+    return list(fn()) if fn is not None else []
 
 
-class GilPacer:
-    """Cuts a reporter tick's Python work into slices of `slice_s` with a sleep of `pause_s` after each.
+@dataclass
+class TickBatch:
+    """What one reporter tick read from an engine, as plain lists (cheap to pickle: it may cross to the exporter
+    actor). step_times / host_overheads [steps] in the order the steps ran; `last_batch_size` the last step's."""
+    step_times: list[float] = field(default_factory=list)
+    host_overheads: list[float] = field(default_factory=list)
+    last_batch_size: int | None = None
+    requests: list[RequestStats] = field(default_factory=list)
+    transfers: list[TransferStats] = field(default_factory=list)
+    engine: EngineStats | None = None
 
-    Why: the tick's thread and the engine's step thread share the GIL. Recording is per value (Ray's histograms
-    take no counts; at 16 streams a tick holds every token gap of ~16 x 125 tokens). Run straight through, ticks
-    took 7-13 ms on the wall at one stream (up to 46 at 16) on the H200, and the decode steps beside them 6-12 ms
-    against 1.6 (docs/benchmarks.md S5). With async scheduling the step thread has slack while the device runs
-    the step it launched (roughly step time less host time: ~1.5 ms at B = 1, ~3.5 ms at 16 on the H200,
-    docs/benchmarks.md D5 / S5): a slice of 0.2 ms fits in it, and the sleep hands the GIL back before the next
-    one. The tick takes ~6x longer on the
-    wall clock; past `max_sleep_s` of sleeps in one tick the rest runs straight through, so a tick's wall time
-    stays its work plus at most that (Ray forgets a gauge not re-set within ~2 s)."""
+    @classmethod
+    def read(cls, engine: Any) -> "TickBatch":
+        """Pop what `engine` has for the metrics (steps, requests, transfers where it has them) and snapshot it."""
+        steps = _call_optional(engine, "pop_step_stats")
+        return cls(step_times=[s.step_time for s in steps], host_overheads=[s.host_overhead for s in steps],
+                   last_batch_size=steps[-1].batch_size if steps else None,
+                   requests=_call_optional(engine, "pop_request_stats"),
+                   transfers=_call_optional(engine, "pop_transfer_stats"), engine=engine.stats())
 
-    def __init__(self, slice_s: float = 2e-4, pause_s: float = 1e-3, max_sleep_s: float = 0.25) -> None:
-        self.slice_s = slice_s
-        self.pause_s = pause_s
-        self.max_sleep_s = max_sleep_s
-        self._since = 0.0
-        self._slept = 0.0
 
-    def start(self) -> "GilPacer":
-        self._since = time.perf_counter()
-        self._slept = 0.0
-        return self
+class TickRecorder(Protocol):
+    """Where a reporter's batches go: `EngineMetrics` (this process) or deploy/metrics_exporter.py's client."""
 
-    def __call__(self) -> None:
-        if time.perf_counter() - self._since >= self.slice_s and self._slept < self.max_sleep_s:
-            time.sleep(self.pause_s)
-            self._slept += self.pause_s
-            self._since = time.perf_counter()
+    def record_tick(self, batch: TickBatch) -> None: ...
 
 
 class EngineReporter:
-    """Feeds `EngineMetrics` from an engine (`Engine` or `AsyncEngine`) on a daemon thread.
+    """Reads an engine (`Engine` or `AsyncEngine`) into `TickBatch`es on a daemon thread for a `TickRecorder`.
 
-    Each tick: `stats()` -> gauges, `pop_request_stats()` -> requests, and where the engine has them
-    `pop_step_stats()` -> steps and `pop_transfer_stats()` -> transfers. `tick()` is public so a caller (or a
-    test) can flush synchronously, e.g. right before it reports a request as done.
+    Each tick: `pop_step_stats()`, `pop_request_stats()` and `pop_transfer_stats()` where the engine has them,
+    and `stats()`. `tick()` is public so a caller (or a test) can flush synchronously, e.g. right before it
+    reports a request as done. The tick itself is light (pops and list building); the per-value recording is the
+    recorder's, which in a Serve engine replica runs in another process.
     """
 
-    def __init__(self, engine: Any, metrics: EngineMetrics, *, interval_s: float = 0.5,
+    def __init__(self, engine: Any, recorder: TickRecorder, *, interval_s: float = 0.5,
                  keep_requests: int = 4096) -> None:
         self.engine = engine
-        self.metrics = metrics
+        self.recorder = recorder
         self.interval_s = interval_s
         # The engine's pop_request_stats() has one consumer (this reporter); whoever else wants the finished
         # requests (the router's admin view, tests) drains them from here.
@@ -484,21 +489,14 @@ class EngineReporter:
         # (wall start, seconds, this thread's CPU seconds) of recent ticks: a benchmark matches a slow engine step
         # with a tick (debug_timeline); wall over CPU is time spent waiting for the GIL
         self.ticks: deque[tuple[float, float, float]] = deque(maxlen=4096)
-        self._pacer = GilPacer()
 
-    def tick(self, paced: bool = False) -> None:
-        """Feed what the engine has for the metrics. `paced` (the reporter's own thread): the work in short slices
-        with sleeps between them (`GilPacer`); a synchronous flush from elsewhere runs straight through."""
+    def tick(self) -> None:
+        """Read what the engine has for the metrics and hand it to the recorder."""
         with self._tick_lock:
             wall, t0, cpu0 = time.time(), time.perf_counter(), time.thread_time()
-            pace = self._pacer.start() if paced else None
-            self.metrics.record_steps(_call_optional(self.engine, "pop_step_stats"), pace)
-            for req in _call_optional(self.engine, "pop_request_stats"):
-                self.metrics.record_request(req, pace)
-                self._recent.append(req)
-            for tr in _call_optional(self.engine, "pop_transfer_stats"):
-                self.metrics.record_transfer(tr)
-            self.metrics.record_engine(self.engine.stats())
+            batch = TickBatch.read(self.engine)
+            self._recent.extend(batch.requests)
+            self.recorder.record_tick(batch)
             self.ticks.append((wall, time.perf_counter() - t0, time.thread_time() - cpu0))
 
     def drain_requests(self) -> list[RequestStats]:
@@ -511,10 +509,9 @@ class EngineReporter:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.tick(paced=True)
+                self.tick()
             except Exception:  # a metrics hiccup must never take the replica down
                 logger.exception("metrics tick failed")
-
     def start(self) -> "EngineReporter":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="m3serve-metrics", daemon=True)

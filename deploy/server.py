@@ -100,8 +100,8 @@ class EngineServer(KVSide):
         self._config = config
         self._model_dir = model_dir
         self._model_name = model_name or Path(model_dir).name
-        self._reporter = None  # deploy.metrics.EngineReporter: feeds Prometheus from the engine's stats
-        self._export = None  # deploy.metrics_endpoint.ReplicaExport: this replica's series for the API's /metrics
+        self._reporter = None  # deploy.metrics.EngineReporter: reads the engine's stats for the metrics
+        self._exporter = None  # deploy.metrics_exporter.ExporterClient: records them (an actor of its own)
         self._role = role
         self._index = index
         # who this replica is: a restarted one (same name, new process) has a new id, and the router re-wires
@@ -168,15 +168,14 @@ class EngineServer(KVSide):
 
     def _start_metrics(self) -> None:
         try:
-            from deploy.metrics import EngineMetrics, EngineReporter
-            from deploy.metrics_endpoint import replica_sinks
+            from deploy.metrics import EngineReporter
+            from deploy.metrics_exporter import start_exporter
 
-            sink, self._export = replica_sinks(self._role)
-            metrics = EngineMetrics(model_name=self._model_name, role=self._role, replica=self._index, sink=sink)
+            self._exporter = start_exporter(self._model_name, self._role, self._index)
             # M3SERVE_METRICS_INTERVAL_S: how often the engine's stats feed the metrics (default 0.5 s; Ray forgets a
             # gauge not re-set within ~2 s, so keep it under that)
             interval = float(os.environ.get("M3SERVE_METRICS_INTERVAL_S") or 0.5)
-            self._reporter = EngineReporter(_TransferCounting(self._engine, self._transfer_totals), metrics,
+            self._reporter = EngineReporter(_TransferCounting(self._engine, self._transfer_totals), self._exporter,
                                             interval_s=interval).start()
         except Exception:  # metrics must never keep the engine from serving
             logger.exception("engine %s-%d: metrics reporter failed to start", self._role, self._index)
@@ -189,7 +188,7 @@ class EngineServer(KVSide):
 
     async def metrics_families(self) -> list:
         """This replica's series as the API port's /metrics names them (deploy/metrics_endpoint.py)."""
-        return [] if self._export is None else self._export.families()
+        return [] if self._exporter is None else await self._exporter.families()
 
     async def ready(self) -> dict:
         """Load state for /health and the CLI's progress display."""
@@ -408,7 +407,7 @@ class EngineServer(KVSide):
         out["serve_marks"] = [m for m in list(self._serve_marks) if m[0] >= since]
         out["gc"] = self._gc_pauses.since(since)  # (time, seconds, generation, collected)
         # the metrics reporter's ticks (wall start, seconds, CPU seconds): its thread shares the GIL with the step
-        # thread
+        # thread (the recording itself runs in the exporter's process: deploy/metrics_exporter.py)
         ticks = [] if self._reporter is None else list(self._reporter.ticks)
         out["metrics_ticks"] = [t for t in ticks if t[0] >= since]
         return out
@@ -432,7 +431,7 @@ class EngineServer(KVSide):
 
     async def pop_request_stats(self) -> list[RequestStats]:
         # The metrics reporter is the engine's one consumer of finished-request stats; read them from it. Off the
-        # event loop: a flush waits for a paced tick in progress (deploy/metrics.py GilPacer), and the loop streams.
+        # event loop: a flush waits for a tick in progress, and the loop streams.
         if self._reporter is not None:
             reporter = self._reporter
 

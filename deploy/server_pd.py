@@ -162,7 +162,7 @@ class KVSide:
     async def transfer_totals(self) -> dict:
         """Totals of the KV transfers fed to the metrics (`transfers`, `failed`, `bytes`, `seconds`)."""
         if self._reporter is not None:
-            await asyncio.to_thread(self._reporter.tick)  # off the loop: it may wait for a paced tick
+            await asyncio.to_thread(self._reporter.tick)  # off the loop: it may wait for a tick in progress
         return dict(self._transfer_totals)
 
     def _wired(self, group: str) -> bool:

@@ -194,18 +194,21 @@ def test_record_steps_observes_each_step_and_counts_them_in_one_add():
     assert _sample(prom, "ray_m3serve_batch_size", **lab) == 5
 
 
-def test_a_paced_tick_sleeps_between_slices_and_records_the_same(monkeypatch):
-    """The reporter's own ticks hand the GIL back between short slices of work (GilPacer); what they record is
-    what a straight tick records."""
+def test_a_tick_batch_records_what_the_direct_feed_records():
+    """A reporter tick pops the engine into a TickBatch of plain lists (what crosses to the exporter actor) and
+    records it; the samples equal feeding the same stats one call at a time, and a second tick adds nothing."""
+    import pickle
+
     import deploy.metrics as dm
 
-    sleeps: list[float] = []
-    monkeypatch.setattr(dm.time, "sleep", lambda s: sleeps.append(s))
+    steps = [StepStats(step_time=0.002 * (i + 1), host_overhead=0.0005, batch_size=i + 1, num_decode_tokens=1)
+             for i in range(5)]
+    transfer = TransferStats(request_id="r1", num_bytes=4096, seconds=0.001, num_pages=1)
+    snapshot = EngineStats(num_running=2, num_pages_total=10, num_pages_free=4, prefix_cache_queries=9)
 
     class Engine:
         def __init__(self) -> None:
-            self.steps = [StepStats(step_time=0.002, host_overhead=0.0005, batch_size=1, num_decode_tokens=1)] * 5
-            self.requests = [_request()]
+            self.steps, self.requests, self.transfers = list(steps), [_request()], [transfer]
 
         def pop_step_stats(self):
             out, self.steps = self.steps, []
@@ -215,28 +218,35 @@ def test_a_paced_tick_sleeps_between_slices_and_records_the_same(monkeypatch):
             out, self.requests = self.requests, []
             return out
 
-        def stats(self):
-            return EngineStats(num_running=0)
+        def pop_transfer_stats(self):
+            out, self.transfers = self.transfers, []
+            return out
 
-    samples = []
-    for paced in (False, True):
-        sink = PrometheusClientSink()
-        reporter = dm.EngineReporter(Engine(), EngineMetrics("tiny", "unified", 0, sink=sink))
-        reporter._pacer = dm.GilPacer(slice_s=0.0, pause_s=0.001)  # every call is past its slice
-        reporter.tick(paced=paced)
-        samples.append([(m.name, s.labels.get("le"), s.value) for m in sink.registry.collect() for s in m.samples
-                        if not s.name.endswith("_created")])
-        if not paced:
-            assert sleeps == []
-    assert samples[0] == samples[1]
-    # one sleep after each step and after each of the request's observations (4 tokens: 3 gaps + 6 phases)
-    assert len(sleeps) == 5 + 9 and set(sleeps) == {0.001}
-    # a tick sleeps at most max_sleep_s in all; the rest of its work runs straight through
-    sleeps.clear()
-    reporter = dm.EngineReporter(Engine(), EngineMetrics("tiny", "unified", 0, sink=PrometheusClientSink()))
-    reporter._pacer = dm.GilPacer(slice_s=0.0, pause_s=0.001, max_sleep_s=0.0035)
-    reporter.tick(paced=True)
-    assert len(sleeps) == 4
+        def stats(self):
+            return snapshot
+
+    def samples(sink):
+        return sorted((m.name, tuple(sorted(s.labels.items())), s.value) for m in sink.registry.collect()
+                      for s in m.samples if not s.name.endswith("_created"))
+
+    batch = dm.TickBatch.read(Engine())
+    assert batch.step_times == [s.step_time for s in steps] and batch.last_batch_size == 5
+    assert pickle.loads(pickle.dumps(batch)) == batch
+    via_tick = PrometheusClientSink()
+    reporter = dm.EngineReporter(Engine(), EngineMetrics("tiny", "unified", 0, sink=via_tick))
+    reporter.tick()
+    direct = PrometheusClientSink()
+    m = EngineMetrics("tiny", "unified", 0, sink=direct)
+    m.record_steps(steps)
+    m.record_request(_request())
+    m.record_transfer(transfer)
+    m.record_engine(snapshot)
+    assert samples(via_tick) == samples(direct)
+    assert _sample(via_tick, "ray_m3serve_engine_steps_total", **_labels()) == 5
+    assert _sample(via_tick, "ray_m3serve_batch_size", **_labels()) == 5
+    reporter.tick()  # nothing new popped: only the snapshot again
+    assert samples(via_tick) == samples(direct)
+    assert [r.request_id for r in reporter.drain_requests()] == ["r1"]
 
 
 def test_record_transfer_counts_bytes_exactly():
@@ -264,9 +274,10 @@ def test_exposition_is_prometheus_text():
 
 # -- the Ray export path (real Ray, in a subprocess so it never meets the session's Serve cluster) -------------
 _RAY_SCRIPT = r'''
-import json, os, sys, time, urllib.request
+import asyncio, json, os, sys, time, urllib.request
 import ray
-from deploy.metrics import EngineMetrics
+from deploy.metrics import RayMetricsSink, TickBatch
+from deploy.metrics_exporter import start_exporter
 from workers.stats import EngineStats, RequestStats, TransferStats
 
 port = int(sys.argv[1])
@@ -275,37 +286,56 @@ ray.init(address="local", num_cpus=1, object_store_memory=256 * 2**20, include_d
 
 @ray.remote(num_cpus=0.1)
 class Replica:
+    # stands in for an engine replica: its batches go to an exporter actor (deploy/metrics_exporter.py)
     def __init__(self):
-        self.m = EngineMetrics("tiny", "decode", "7")  # default sink: ray.util.metrics
+        self.client = start_exporter("tiny", "decode", "7")
 
     def feed(self, requests, engine, transfer):
-        for r in requests:
-            self.m.record_request(RequestStats(**r))
-        self.m.record_transfer(TransferStats(**transfer))
-        self.m.record_engine(EngineStats(**engine))
+        self.client.record_tick(TickBatch(requests=[RequestStats(**r) for r in requests],
+                                          transfers=[TransferStats(**transfer)], engine=EngineStats(**engine)))
+        self.snapshot = EngineStats(**engine)
+        # nothing was recorded in this process: no Ray instrument was made here
+        return {"in_process": self.client.in_process, "instruments": sorted(RayMetricsSink._instruments)}
 
     def refresh(self):
-        self.m.refresh_gauges()
+        self.client.record_tick(TickBatch(engine=self.snapshot))  # gauges vanish unless re-set
+
+    def counts(self):
+        fams = asyncio.run(self.client.families())
+        return {s.name: s.value for f in fams for s in f.samples if s.name.endswith(("_total", "_count"))}
+
+    def lose_exporter(self, requests):
+        ray.kill(self.client._actor)
+        time.sleep(1)
+        self.client.record_tick(TickBatch(requests=[RequestStats(**r) for r in requests]))  # sent, never run
+        before = self.client.in_process
+        ray.wait([self.client._pending[-1][0]], timeout=30)  # its failure is known
+        self.client.record_tick(TickBatch(requests=[RequestStats(**r) for r in requests]))  # finds it gone
+        return {"before": before, "after": self.client.in_process}
 
 spec = json.loads(sys.stdin.read())
 rep = Replica.remote()
-ray.get(rep.feed.remote(spec["requests"], spec["engine"], spec["transfer"]))
+print("FEED", json.dumps(ray.get(rep.feed.remote(spec["requests"], spec["engine"], spec["transfer"]))))
 deadline = time.monotonic() + 60
 text = ""
 while time.monotonic() < deadline:
-    ray.get(rep.refresh.remote())  # gauges vanish unless re-set
+    ray.get(rep.refresh.remote())
     time.sleep(0.5)
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     if ("ray_m3serve_time_to_first_token_seconds_count" in text and "ray_m3serve_num_requests_running" in text
             and "ray_m3serve_kv_transfer_bytes_count" in text and "ray_m3serve_request_failure_total" in text):
         break
 print("\n".join(l for l in text.splitlines() if "m3serve" in l and not l.startswith("#")))
+print("COUNTS", json.dumps(ray.get(rep.counts.remote())))
+print("LOCAL", json.dumps(ray.get(rep.lose_exporter.remote(spec["requests"][:1]))))
+print("COUNTS_AFTER", json.dumps(ray.get(rep.counts.remote())))
 ray.shutdown()
 '''
 
 
 def test_ray_export_names_labels_and_exact_counts(tmp_path):
-    """Through Ray's metrics agent: names `ray_m3serve_*`, our labels, exact counters and bucket counts."""
+    """Through an exporter actor and Ray's metrics agent: names `ray_m3serve_*`, our labels, exact counters and
+    bucket counts; the replica's registry held by the exporter, and recording in the replica once it dies."""
     import json
     import os
     import subprocess
@@ -328,8 +358,11 @@ def test_ray_export_names_labels_and_exact_counts(tmp_path):
         {"requests": requests, "engine": engine, "transfer": transfer}), capture_output=True, text=True,
         timeout=150, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    tagged = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+              if line.split(" ", 1)[0] in ("FEED", "COUNTS", "LOCAL", "COUNTS_AFTER")}
+    exported = "\n".join(line for line in proc.stdout.splitlines() if line.startswith("ray_"))
     samples = {}
-    for fam in text_string_to_metric_families(proc.stdout):
+    for fam in text_string_to_metric_families(exported):
         for s in fam.samples:
             assert {"model_name": "tiny", "role": "decode", "replica": "7"}.items() <= s.labels.items(), s
             key = (s.name, s.labels.get("le"), s.labels.get("finished_reason") or s.labels.get("reason"))
@@ -350,6 +383,16 @@ def test_ray_export_names_labels_and_exact_counts(tmp_path):
     assert samples[("ray_m3serve_num_requests_running", None, None)] == 3
     assert samples[("ray_m3serve_kv_cache_usage_perc", None, None)] == pytest.approx(0.75)
     assert samples[("ray_m3serve_prefix_cache_hits_total", None, None)] == 12
+    # recorded in the exporter's process (deploy/metrics_exporter.py), none in the replica's
+    assert tagged["FEED"] == {"in_process": False, "instruments": []}
+    # the replica's own registry (the API port's /metrics) is the exporter's too
+    assert tagged["COUNTS"]["vllm:generation_tokens_total"] == 12
+    assert tagged["COUNTS"]["m3serve_time_to_first_token_seconds_count"] == 3
+    # the exporter died after a batch was sent to it: that batch and the later ones are recorded in the replica's
+    # process (its series start again, as after a replica restart)
+    assert tagged["LOCAL"] == {"before": False, "after": True}
+    assert tagged["COUNTS_AFTER"]["vllm:generation_tokens_total"] == 4 + 4
+    assert tagged["COUNTS_AFTER"]["m3serve_time_to_first_token_seconds_count"] == 2
 
 
 def test_reporter_feeds_metrics_from_a_real_engine_and_keeps_requests_for_others(tmp_path):
