@@ -39,6 +39,10 @@ from workers.request import RequestOutput, SamplingParams
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
 
 TRANSFER_POLL_S = 0.02
+# CPU ids the step thread pins itself to ("15" or "14-15,30"): its host work then never shares a core (or, with
+# the core's SMT sibling listed and kept free of other work, a physical core) with the ingress, the proxy or a
+# client on the same host. Unset: the OS places it.
+STEP_CPUS_ENV = "M3SERVE_STEP_CPUS"
 _KEEP_FAILURES = 1024
 TIMELINE_STEPS = 20_000  # steps kept for `debug_timeline` (minutes of decode at ~10 ms a step)
 # One `debug_timeline` step record. start/end: time.time() around `Engine.step` (wall clock, to line up with other
@@ -116,6 +120,7 @@ class AsyncEngine:
         if self._disaggregated:
             self.engine.add_transfer_listener(self._wake.set)
         self._timeline: deque[tuple] = deque(maxlen=TIMELINE_STEPS)  # appended by the step thread only
+        self._step_cpus = step_cpus(os.environ.get(STEP_CPUS_ENV))  # checked here: a bad value fails the load
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -306,6 +311,8 @@ class AsyncEngine:
     def _run(self) -> None:
         idle_s = inbox_s = publish_s = 0.0  # loop time since the last recorded step (the timeline's gaps)
         try:
+            if self._step_cpus:
+                os.sched_setaffinity(0, self._step_cpus)  # this thread's affinity (Linux: per thread)
             while True:
                 with self._lock:
                     idle = not self._inbox and not self._stopping
@@ -506,3 +513,29 @@ def _snapshot(ring: deque) -> list:
         except RuntimeError:
             continue
     return []
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """"14-15,30" -> {14, 15, 30} (the cpuset list format); ValueError names a malformed part."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"{STEP_CPUS_ENV}: {part!r} is not a CPU id or range") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{STEP_CPUS_ENV}: {part!r} is not a CPU id or range")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def step_cpus(spec: str | None) -> set[int] | None:
+    """The CPUs of `spec` for the step thread (None: unset), checked against this host's CPUs."""
+    if not spec:
+        return None
+    cpus = parse_cpus(spec)
+    have = os.cpu_count() or 1
+    if not cpus or max(cpus) >= have:
+        raise ValueError(f"{STEP_CPUS_ENV}={spec!r}: this host has CPUs 0-{have - 1}")
+    return cpus

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 
@@ -191,6 +192,31 @@ def test_debug_timeline_records_steps_with_wall_times_and_token_counts(make_asyn
     assert ae.debug_timeline(tl["now"] + 1.0)["steps"] == []
     # the metrics feed's StepStats carry the same wall-clock starts
     assert sorted(s.start_time for s in ae.pop_step_stats())[-len(steps):] == [s["start"] for s in steps]
+
+
+def test_step_thread_pins_itself_to_the_cpus_named_and_a_bad_value_fails_the_load(make_async, monkeypatch):
+    """M3SERVE_STEP_CPUS: the step thread (and only it) runs on those CPUs and still serves; a malformed or absent
+    CPU fails the engine's construction with the variable named, before any thread starts."""
+    from workers.async_engine import STEP_CPUS_ENV, parse_cpus
+
+    assert parse_cpus("3, 0-1,7-7") == {0, 1, 3, 7}
+    for bad in ("x", "2-1", "-1", "1-"):
+        with pytest.raises(ValueError, match=STEP_CPUS_ENV):
+            parse_cpus(bad)
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    monkeypatch.setenv(STEP_CPUS_ENV, str(cpu))
+    ae = make_async(num_pages=64)
+
+    async def main():
+        return [out async for out in ae.generate("a", ids(9), greedy(3))]
+
+    assert len(asyncio.run(main())[-1].outputs[0].token_ids) == 3
+    assert os.sched_getaffinity(ae._thread.native_id) == {cpu}
+    assert os.sched_getaffinity(0) == mine  # the caller's thread is untouched
+    monkeypatch.setenv(STEP_CPUS_ENV, str(os.cpu_count()))
+    with pytest.raises(ValueError, match=STEP_CPUS_ENV):
+        make_async(num_pages=64)
 
 
 def test_stop_finishes_a_sample_with_its_stop_string(make_async):
