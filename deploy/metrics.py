@@ -46,7 +46,8 @@ logger = logging.getLogger("m3serve.metrics")
 
 __all__ = [
     "LABELS", "METRICS", "MetricSpec", "REGISTERED_PREFIX", "EXPORT_PREFIX", "spec", "exported_name",
-    "request_observations", "INGRESS_METRICS", "ROUTER_METRICS", "INGRESS", "ROUTER", "EngineMetrics", "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
+    "request_observations", "INGRESS_METRICS", "ROUTER_METRICS", "INGRESS", "ROUTER", "EngineMetrics",
+    "EngineReporter", "RayMetricsSink", "PrometheusClientSink",
     "Observer", "bind_observer", "TickBatch", "TickRecorder",
 ]
 

@@ -87,7 +87,8 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
                         BLOCK_N: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
                         ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRELOAD: tl.constexpr,
-                        FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                        PREFETCH: tl.constexpr, FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -115,19 +116,30 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
+    bid_row = bid_ptr + n * bid_st_n + kvh * bid_st_h
+    pt_row = pt_ptr + req * pt_st_r
+    if PREFETCH:
+        # the block and page id of this split's first tile; the loop loads the next tile's before its dots
+        b_next, page_next = _tile_page(bid_row, pt_row, s // SUB, s < count * SUB, SPARSE)
     for i in range(s, count * SUB, num_splits):
         j = i // SUB
-        if SPARSE:
+        if PREFETCH:
+            # ids of tile i were loaded an iteration ago: its K/V loads wait on no id load, and tile i + S's id
+            # chain (block id -> page id) runs under tile i's loads and dots
+            b, page = b_next, page_next
+            nxt = i + num_splits
+            b_next, page_next = _tile_page(bid_row, pt_row, nxt // SUB, nxt < count * SUB, SPARSE)
+        elif SPARSE:
             if PRELOAD:
                 sel = kk == j
                 b = tl.sum(tl.where(sel, ids, 0), axis=0).to(tl.int64)
                 page = tl.sum(tl.where(sel, pages, 0), axis=0).to(tl.int64)
             else:
-                b = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + j).to(tl.int64)
-                page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
+                b = tl.load(bid_row + j).to(tl.int64)
+                page = tl.load(pt_row + b).to(tl.int64)
         else:
             b = j
-            page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
+            page = tl.load(pt_row + b).to(tl.int64)
         tok = (i % SUB) * BLOCK_N + t
         k = tl.load(kc_ptr + page * kc_st_p + tok[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
         v = tl.load(vc_ptr + page * vc_st_p + tok[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
@@ -168,6 +180,18 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
                 tl.atomic_xchg(cnt, 0)
                 _merge_group(po_ptr + n * po_st_n, plse_ptr + n * pl_st_n, o_ptr + n * o_st_n, heads, g < G,
                              po_st_h, po_st_s, pl_st_h, o_st_h, num_splits, D, BLOCK_S)
+
+
+@triton.jit
+def _tile_page(bid_row, pt_row, j, live, SPARSE: tl.constexpr):
+    """(block id, page id) of a row's j-th tile block: selected id j for sparse layers, block j for dense ones;
+    (0, 0) where `live` is false (past the split's last tile: nothing is read for it)."""
+    if SPARSE:
+        b = tl.load(bid_row + j, mask=live, other=0).to(tl.int64)
+    else:
+        b = tl.where(live, j, 0).to(tl.int64)
+    page = tl.load(pt_row + b, mask=live, other=0).to(tl.int64)
+    return b, page
 
 
 @triton.jit
@@ -221,8 +245,10 @@ ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128}
 # with several tiles it costs registers: B=16 31.2 vs 30.0, B=64 75.3 vs 72.1). fold_merge None: the last split
 # of a (row, KV head) merges the partials (no merge launch) up to MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7
 # vs 30.0 us); with more splits one program would merge what the merge kernel spreads over G (B=1, 16 splits:
-# 11.9 vs 8.3 us). True/False force either.
-ATTN_OPTS = {"preload": None, "fold_merge": None}
+# 11.9 vs 8.3 us). True/False force either. prefetch: the next tile's block and page id loaded before this tile's
+# dots (a program walking several tiles: B=16's 4 a program cost ~2.1 us each at B=1, docs/benchmarks.md "Sparse
+# decode sweep"); off until timed on the GPU (bench_decode.py's "prefetch" variants).
+ATTN_OPTS = {"preload": None, "fold_merge": None, "prefetch": False}
 MAX_FOLD_SPLITS = 4
 
 
@@ -240,7 +266,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            row_seq: torch.Tensor, positions: torch.Tensor, scale: float,
                            block_ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, fold_merge: bool | None = None,
-                           preload: bool | None = None) -> torch.Tensor:
+                           preload: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
     """Triton flash-decoding for rows [0, N) of its inputs (shapes as in `paged_attention_ref`); dense when
     block_ids is None. `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
     n, hq, d = q.shape
@@ -287,6 +313,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pdl_opts, pdl = pdl_launch(q.device, "attention", n)
     if pre is None:
         pre = splits >= max_tiles
+    fetch = ATTN_OPTS["prefetch"] if prefetch is None else prefetch
+    pre = pre and not fetch  # one way of getting a tile's page id
     runnable(_decode_attn_kernel, q.device)[(n, hkv, splits)](
         q, k_cache, v_cache, page_tables, row_seq, positions, bid, out, po, plse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -294,7 +322,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         bid_st[0], bid_st[1], out.stride(0), out.stride(1), *po_st, *pl_st,
         float(scale) * _LOG2E, splits, counters if counters is not None else plse,
         G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
-        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, PRELOAD=bool(pre and sparse),
+        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, PRELOAD=bool(pre and sparse), PREFETCH=bool(fetch),
         FOLD_MERGE=counters is not None, BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, **launch, **pdl_opts)
     if not one and counters is None:
         runnable(_merge_kernel, q.device)[(n, hq)](

@@ -160,7 +160,9 @@ def random_selection(batch, lens, gen):
     return out.cuda()
 
 
-ATTN_VARIANTS = {"merge": (False, False), "fold": (True, False), "pre": (False, True), "fold+pre": (True, True)}
+# name -> (fold_merge, preload, prefetch) of kernels/attention.py's decode launcher
+ATTN_VARIANTS = {"merge": (False, False, False), "fold": (True, False, False), "pre": (False, True, False),
+                 "fold+pre": (True, True, False), "fetch": (False, False, True), "fold+fetch": (True, False, True)}
 
 
 def bench_attention(kind, batch, length, gen, log):
@@ -182,20 +184,20 @@ def bench_attention(kind, batch, length, gen, log):
     scale = D ** -0.5
     want = attention.paged_attention_ref(qs[0], kc, vc, tables[0], row_seq, pos, scale, sels[0])
 
-    def run(i, splits, fold=None, pre=None):
+    def run(i, splits, fold=None, pre=None, fetch=None):
         return attention.paged_decode_attention(qs[i], kc, vc, tables[i], row_seq, pos, scale, sels[i],
-                                                num_splits=splits, fold_merge=fold, preload=pre)
+                                                num_splits=splits, fold_merge=fold, preload=pre, prefetch=fetch)
 
     def timed(name, splits=None, cfg=(4, 3, 128)):
-        fold, pre = ATTN_VARIANTS[name]
+        fold, pre, fetch = ATTN_VARIANTS[name]
         warps, stages, block_n = cfg
         attention.ATTN_LAUNCH.update(num_warps=warps, num_stages=stages, block_n=block_n)
         entry = {"op": kind, "B": batch, "L": length, "variant": name, "splits": splits or base, "warps": warps,
                  "stages": stages, "block_n": block_n}
         try:
-            a, b = run(0, splits, fold, pre), run(0, splits, fold, pre)
+            a, b = run(0, splits, fold, pre, fetch), run(0, splits, fold, pre, fetch)
             rel = ((a.float() - want.float()).norm() / want.float().norm()).item()
-            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre) for i in range(num_sets)]),
+            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre, fetch) for i in range(num_sets)]),
                          rel_err=rel, correct=rel < 1e-2 and bool(torch.equal(a, b)))
         except Exception as e:
             entry.update(error=repr(e)[:300])
@@ -204,7 +206,7 @@ def bench_attention(kind, batch, length, gen, log):
         log.append(entry)
         return entry
 
-    names = list(ATTN_VARIANTS) if sparse else ["merge", "fold"]
+    names = list(ATTN_VARIANTS) if sparse else ["merge", "fold", "fetch", "fold+fetch"]
     variants = {name: timed(name) for name in names}
     good = [e for e in variants.values() if "us" in e and e["correct"]]
     best = min(good, key=lambda e: e["us"])

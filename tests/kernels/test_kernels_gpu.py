@@ -83,12 +83,13 @@ def test_attention_gpu(paged_case, batch, length, rows_per_request):
     want = attention.paged_attention_ref(*args, D ** -0.5, block_ids)
     for splits in (1, 5, None):
         assert _rel(attention.sparse_attention(*args, block_ids, D ** -0.5, num_splits=splits), want) < 1e-2
-    for splits, fold, pre in ((5, True, False), (None, True, True), (16, True, True), (None, False, True)):
+    for splits, fold, pre, fetch in ((5, True, False, None), (None, True, True, None), (16, True, True, None),
+                                     (None, False, True, None), (None, None, None, True), (1, False, None, True)):
         # the merge folded into the last split is deterministic: repeated calls are bitwise equal
         got = [attention.paged_decode_attention(*args, D ** -0.5, block_ids, num_splits=splits, fold_merge=fold,
-                                                preload=pre) for _ in range(3)]
-        assert _rel(got[0], want) < 1e-2, (splits, fold, pre)
-        assert all(torch.equal(g, got[0]) for g in got), (splits, fold, pre)
+                                                preload=pre, prefetch=fetch) for _ in range(3)]
+        assert _rel(got[0], want) < 1e-2, (splits, fold, pre, fetch)
+        assert all(torch.equal(g, got[0]) for g in got), (splits, fold, pre, fetch)
     want = attention.paged_attention_ref(*args, D ** -0.5)
     assert _rel(attention.dense_attention(*args, D ** -0.5), want) < 1e-2
     assert _rel(attention.paged_decode_attention(*args, D ** -0.5, fold_merge=True, num_splits=7), want) < 1e-2

@@ -165,9 +165,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("fold,preload", [(None, None), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("fold,preload,prefetch", [(None, None, None), (True, False, None), (False, True, None),
+                                                    (True, True, None), (False, None, True), (True, None, True)])
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, nan_poison):
+def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, prefetch, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=10)
     gen = torch.Generator().manual_seed(11)
@@ -179,7 +180,8 @@ def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold
                                          case.positions, 0.3, block_ids)
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
-                                     0.3, block_ids, out=out, num_splits=splits, fold_merge=fold, preload=preload)
+                                     0.3, block_ids, out=out, num_splits=splits, fold_merge=fold, preload=preload,
+                                     prefetch=prefetch)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
     from kernels._triton import _ARRIVAL_COUNTERS
@@ -188,8 +190,9 @@ def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold
     assert counters is None or int(counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("splits,fold", [(1, None), (3, None), (None, None), (3, True)])
-def test_dense_attention_matches_ref(paged_case, splits, fold, nan_poison):
+@pytest.mark.parametrize("splits,fold,prefetch", [(1, None, None), (3, None, None), (None, None, None),
+                                                   (3, True, None), (1, None, True), (3, False, True)])
+def test_dense_attention_matches_ref(paged_case, splits, fold, prefetch, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=12)
     q = torch.randn(len(_ROWS), 4 * HKV, D, generator=torch.Generator().manual_seed(13))
@@ -197,7 +200,7 @@ def test_dense_attention_matches_ref(paged_case, splits, fold, nan_poison):
                                          case.positions, 0.25)
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
-                                     0.25, out=out, num_splits=splits, fold_merge=fold)
+                                     0.25, out=out, num_splits=splits, fold_merge=fold, prefetch=prefetch)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
 
