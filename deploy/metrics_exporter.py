@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import deque
 from typing import Any
 
@@ -57,6 +58,9 @@ class ExporterClient:
         # (ref, batch) of record_tick calls not yet known to have run: re-recorded here if the actor is lost
         self._pending: deque[tuple[Any, TickBatch]] = deque()
         self._local: MetricsExporter | None = None if actor is not None else MetricsExporter(*self._args)
+        # the reporter's thread records, the event loop asks for families: whichever finds the actor gone moves
+        # the batches over, once
+        self._lock = threading.Lock()
 
     @property
     def in_process(self) -> bool:
@@ -64,12 +68,13 @@ class ExporterClient:
         return self._local is not None
 
     def record_tick(self, batch: TickBatch) -> None:
-        if self._local is None and self._actor_failed():
-            self._go_local()
-        if self._local is not None:
-            self._local.record_tick(batch)
-            return
-        self._pending.append((self._actor.record_tick.remote(batch), batch))
+        with self._lock:
+            if self._local is None and self._actor_failed():
+                self._go_local()
+            if self._local is None:
+                self._pending.append((self._actor.record_tick.remote(batch), batch))
+                return
+        self._local.record_tick(batch)
 
     async def families(self) -> list:
         """The replica's series as the API port's /metrics names them."""
@@ -77,7 +82,8 @@ class ExporterClient:
             try:
                 return await self._actor.families.remote()
             except Exception:  # noqa: BLE001 - the actor died: record here from now on
-                self._go_local()
+                with self._lock:
+                    self._go_local()
         return self._local.families()
 
     def _actor_failed(self) -> bool:
@@ -97,6 +103,9 @@ class ExporterClient:
         return len(self._pending) > MAX_PENDING
 
     def _go_local(self) -> None:
+        """Record here from now on, starting with the batches the actor never confirmed (caller holds the lock)."""
+        if self._local is not None:
+            return
         logger.warning("metrics exporter of %s-%s is gone (%d batches unsettled): recording in the replica's "
                        "process from now on", self._args[1], self._args[2], len(self._pending))
         self._local = MetricsExporter(*self._args)
