@@ -246,8 +246,8 @@ ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128}
 # of a (row, KV head) merges the partials (no merge launch) up to MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7
 # vs 30.0 us); with more splits one program would merge what the merge kernel spreads over G (B=1, 16 splits:
 # 11.9 vs 8.3 us). True/False force either. prefetch: the next tile's block and page id loaded before this tile's
-# dots (a program walking several tiles: B=16's 4 a program cost ~2.1 us each at B=1, docs/benchmarks.md "Sparse
-# decode sweep"); off until timed on the GPU (bench_decode.py's "prefetch" variants).
+# dots, for programs that walk several tiles (at B=1 each tile a program walked cost ~2.1 us, docs/benchmarks.md
+# "Sparse decode sweep"); off until timed on the GPU (bench_decode.py's "fetch" variants).
 ATTN_OPTS = {"preload": None, "fold_merge": None, "prefetch": False}
 MAX_FOLD_SPLITS = 4
 
