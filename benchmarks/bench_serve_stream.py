@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serving_pd as pd  # noqa: E402  (sets Ray's loopback/no-usage env before ray is imported)
+from serving_drivers import http_driver, inproc_driver  # noqa: E402
 import serving_trace  # noqa: E402
 
 import argparse  # noqa: E402
@@ -353,7 +354,7 @@ def run_serve(args) -> dict[str, Any]:
         if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1" and os.environ.get(
                 "RAY_SERVE_ENABLE_HA_PROXY") != "1":  # the ingress replica serves HTTP itself; no HAProxy before it
             port = listening_port(pids["Ingress"], RAY_DIRECT_INGRESS_PORTS)
-        return measure(args, pd.http_driver(f"http://127.0.0.1:{port}", args.concurrency), timelines, pids)
+        return measure(args, http_driver(f"http://127.0.0.1:{port}", args.concurrency), timelines, pids)
     finally:
         try:
             serve.shutdown()
@@ -370,7 +371,7 @@ def run_inproc(args) -> dict[str, Any]:
     config = config_from_args({"config": serve_config(args)})
     engine = AsyncEngine(paced_engine(str(resolve_model_dir(config)), config.engine, args.step_ms / 1e3))
     try:
-        return measure(args, pd.inproc_driver(engine, args.concurrency),
+        return measure(args, inproc_driver(engine, args.concurrency),
                        lambda since: {"inproc": engine.debug_timeline(since)}, None)
     finally:
         engine.shutdown()

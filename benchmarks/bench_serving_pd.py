@@ -25,14 +25,14 @@ wall time is not the forward; per short request the first -> second token gap sp
 send -> KV landed -> decode step -> client; engine -> server -> client per chunk.
 
 Model (GPU): configs/models/m3-slice.yaml with fewer experts (default 16, top-4), bf16, random weights drawn on
-the GPU by msa.checkpoint.write_checkpoint into /tmp. Prefill attention still runs the torch reference (full
-score matrix per request), so long prompts stay <= 2k tokens.
+the GPU by msa.checkpoint.write_checkpoint into /tmp.
 
   python benchmarks/bench_serving_pd.py                         # nvidia-h200-x2 (Ray from .whl, see docs)
   python benchmarks/bench_serving_pd.py --device cpu --tiny     # CPU smoke run: tiny model, tiny workload
 Writes $OUT/bench_serving_pd.json when OUT is set (or --out), and beside it bench_serving_pd.trace.json (the
 raw client traces and replica timelines, compact); the last thing printed is the summary table.
 
+The request drivers are benchmarks/serving_drivers.py, the summaries and printouts benchmarks/serving_report.py.
 The script supervises itself: the work runs in a child process (own session) under a hard wall-clock budget
 (--budget-s); whatever finished by then is reported, and an overrun child is ended with its Ray processes.
 """
@@ -50,28 +50,28 @@ for _k, _v in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_USAGE_STATS_REPORT_URL": "ht
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
-import itertools  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from deploy.bench import RequestResult  # noqa: E402
 from deploy.http_front import free_port  # noqa: E402  (also bench_serve_stream's)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the modules beside this script
+import serving_trace  # noqa: E402
+from serving_drivers import client_trace, http_driver, inproc_driver  # noqa: E402
+from serving_report import (TPOT_GOAL_RATIO, format_diagnosis, format_table, mode_summary,  # noqa: E402
+                            phase_summary, serve_vs_inproc)
 
 APP_NAME = "bench_pd"
 # pd first: if the budget runs short, the disaggregated numbers are the ones kept; inproc last: it loads the model
 # into this process, after the Serve replicas gave their GPUs back
 MODES = ("pd", "unified", "inproc")
-PERCENTILES = [50.0, 90.0, 99.0]
-TPOT_GOAL_RATIO = 1.2  # PERF.md: decode p99 TPOT with concurrent long prefills <= 1.2x the decode-only TPOT
 RESULT_NAME = "bench_serving_pd.json"
 
 # Workload and engine sizes: GPU defaults, and the tiny CPU smoke run (same flow, seconds per phase).
@@ -483,7 +483,7 @@ class Child:
             except Exception as e:  # the client numbers stand without it
                 out["trace_error"] = f"{type(e).__name__}: {e}"
             try:
-                out["diagnosis"] = serving_trace().diagnose_phase(trace, trace["server"])
+                out["diagnosis"] = serving_trace.diagnose_phase(trace, trace["server"])
             except Exception as e:
                 out["diagnosis_error"] = f"{type(e).__name__}: {e}"
         return out
@@ -518,316 +518,6 @@ def _delta(before: dict | None, after: dict | None) -> dict | None:
     d = {k: after[k] - before[k] for k in ("transfers", "failed", "bytes", "seconds")}
     d["gb_per_s"] = d["bytes"] / d["seconds"] / 1e9 if d["seconds"] > 0 else 0.0
     return d
-
-
-@dataclass
-class StreamsRun:
-    """One phase as the client saw it: results in request order, the short stream's duration, and the run's
-    start on both clocks (perf_counter for the results' times, time.time() for the replicas' timelines)."""
-
-    short: list
-    long: list
-    duration: float
-    perf0: float
-    wall0: float
-
-
-@dataclass(kw_only=True)
-class TracedResult(RequestResult):
-    """What locating a stall needs beyond deploy.bench's result: the engine request id and each chunk's tokens."""
-
-    chunk_tokens: list[int] = field(default_factory=list)
-    request_id: str | None = None  # the engine's id (the ingress's response id + "-0")
-
-
-def http_driver(base_url: str, concurrency: int):
-    async def drive(short: list, long: list, long_at: list[float], request_timeout_s: float) -> StreamsRun:
-        return await run_streams(base_url, short, long, long_at, concurrency=concurrency,
-                                 request_timeout_s=request_timeout_s)
-    return drive
-
-
-async def run_streams(base_url: str, short: list, long: list, long_at: list[float], *, concurrency: int,
-                      request_timeout_s: float) -> StreamsRun:
-    """The short stream (at most `concurrency` in flight, as `deploy.bench.run_benchmark` sends it) and, beside it,
-    each long request sent at its offset from the start; every request traced (`send_traced`)."""
-    import aiohttp
-
-    from deploy.bench import build_payload
-
-    endpoint = "/v1/completions"
-    url = base_url + endpoint
-    model = await _model_name(base_url)
-    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-
-    def payload(req) -> dict:
-        # return_token_ids: each chunk says how many tokens it carries (a late chunk may bring several)
-        return build_payload(req, model=model, endpoint=endpoint, stream=True, ignore_eos=True,
-                             extra_body={"return_token_ids": True})
-
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as ss, \
-            aiohttp.ClientSession(timeout=timeout) as ls:
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one_short(req) -> TracedResult:
-            async with sem:
-                return await send_traced(ss, url, req, payload(req))
-
-        async def shorts() -> tuple[list, float]:
-            res = await asyncio.gather(*(one_short(r) for r in short))
-            return list(res), time.perf_counter() - perf0
-
-        async def one_long(req, at: float) -> TracedResult:
-            await asyncio.sleep(max(0.0, perf0 + at - time.perf_counter()))
-            return await send_traced(ls, url, req, payload(req))
-
-        perf0, wall0 = time.perf_counter(), time.time()
-        short_task = asyncio.ensure_future(shorts())
-        long_results = list(await asyncio.gather(*(one_long(r, at) for r, at in zip(long, long_at))))
-        short_results, duration = await short_task
-    return StreamsRun(short=short_results, long=long_results, duration=duration, perf0=perf0, wall0=wall0)
-
-
-async def send_traced(session: Any, url: str, req: Any, payload: dict) -> TracedResult:
-    """One SSE completion, measured as `deploy.bench.send_request` measures it (perf_counter on arrival of each
-    chunk with output), keeping the response id and each chunk's token count as well."""
-    from deploy.bench import _chunk_output  # the same "chunk carries output" rule as the shared client
-
-    res = TracedResult(prompt_tokens=req.input_len)
-    res.start = time.perf_counter()
-    try:
-        async with session.post(url, json=payload) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                res.end = time.perf_counter()
-                return res
-            buf = b""
-            async for raw in resp.content.iter_any():
-                now = time.perf_counter()
-                buf += raw
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    _take_event(res, line.strip(), now, _chunk_output)
-                res.end = now
-        res.output_tokens = res.output_tokens or sum(res.chunk_tokens)
-        res.success = bool(res.chunk_times)
-        if not res.success:
-            res.error = "no output"
-    except Exception as e:  # the benchmark reports failures; it does not stop on them
-        res.end = time.perf_counter()
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def _take_event(res: TracedResult, line: bytes, now: float, chunk_output) -> None:
-    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-        return
-    event = json.loads(line[5:].strip())
-    if "error" in event:
-        raise RuntimeError(f"stream error: {event['error']}")
-    if res.request_id is None and event.get("id"):
-        res.request_id = f"{event['id']}-0"  # deploy/ingress.py: engine request id = response id + prompt index
-    if chunk_output(event) is not None:
-        res.chunk_times.append(now)
-        res.chunk_tokens.append(sum(len(c.get("token_ids") or ()) for c in event.get("choices") or ()) or 1)
-    if event.get("usage"):
-        res.output_tokens = int(event["usage"].get("completion_tokens") or 0)
-        res.prompt_tokens = int(event["usage"].get("prompt_tokens") or res.prompt_tokens)
-
-
-def inproc_driver(engine: Any, concurrency: int):
-    """The same workload through `engine` (an AsyncEngine) on this event loop: greedy, ignore_eos, fixed length,
-    as the ingress builds it; a chunk = an output with new tokens, timed when this loop receives it."""
-    phase = itertools.count()
-
-    async def drive(short: list, long: list, long_at: list[float], request_timeout_s: float) -> StreamsRun:
-        tag = f"inproc{next(phase)}"
-        sem = asyncio.Semaphore(concurrency)
-
-        async def one_short(i: int, req) -> TracedResult:
-            async with sem:
-                return await _inproc_request(engine, f"{tag}-s{i}", req, request_timeout_s)
-
-        async def shorts() -> tuple[list, float]:
-            res = await asyncio.gather(*(one_short(i, r) for i, r in enumerate(short)))
-            return list(res), time.perf_counter() - perf0
-
-        async def one_long(i: int, req, at: float) -> TracedResult:
-            await asyncio.sleep(max(0.0, perf0 + at - time.perf_counter()))
-            return await _inproc_request(engine, f"{tag}-l{i}", req, request_timeout_s)
-
-        perf0, wall0 = time.perf_counter(), time.time()
-        short_task = asyncio.ensure_future(shorts())
-        long_results = list(await asyncio.gather(*(one_long(i, r, at) for i, (r, at) in enumerate(zip(long, long_at)))))
-        short_results, duration = await short_task
-        return StreamsRun(short=short_results, long=long_results, duration=duration, perf0=perf0, wall0=wall0)
-    return drive
-
-
-async def _inproc_request(engine: Any, rid: str, req: Any, timeout_s: float) -> TracedResult:
-    from workers.request import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=req.output_len, min_tokens=req.output_len, ignore_eos=True)
-    res = TracedResult(prompt_tokens=req.input_len, request_id=rid)
-    res.start = time.perf_counter()
-
-    async def consume() -> None:
-        seen = 0
-        async for out in engine.generate(rid, req.prompt, params):
-            now = time.perf_counter()
-            n = len(out.outputs[0].token_ids)
-            if n > seen:
-                res.chunk_times.append(now)
-                res.chunk_tokens.append(n - seen)
-                seen = n
-            res.end = now
-        res.output_tokens = seen
-
-    try:
-        await asyncio.wait_for(consume(), timeout_s)  # leaving the stream early aborts the request
-        res.success = bool(res.chunk_times)
-    except Exception as e:
-        res.end = time.perf_counter()
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def client_trace(results: list, perf0: float) -> list[dict]:
-    """Each request's times relative to the run start (seconds, 10 us resolution), for serving_trace."""
-    rel = lambda t: round(t - perf0, 5)  # noqa: E731
-    return [{"id": r.request_id, "ok": r.success, "start": rel(r.start), "end": rel(r.end),
-             "t": [rel(t) for t in r.chunk_times], "n": list(r.chunk_tokens), "out": r.output_tokens}
-            for r in results]
-
-
-def serving_trace():
-    """benchmarks/serving_trace.py (beside this script; imported by path so the script runs from anywhere)."""
-    if "serving_trace" not in sys.modules:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import serving_trace as mod
-
-    return mod
-
-
-async def _model_name(base_url: str) -> str:
-    import aiohttp
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-        async with session.get(base_url + "/v1/models") as resp:
-            resp.raise_for_status()
-            return (await resp.json())["data"][0]["id"]
-
-
-def phase_summary(short: list, long: list, duration: float) -> dict[str, Any]:
-    from deploy.bench import summarize
-
-    errors = sorted({r.error for r in [*short, *long] if not r.success})[:5]
-    return {"duration_s": round(duration, 3),
-            "short": summarize(short, duration, percentiles=PERCENTILES),
-            "long": summarize(long, duration, percentiles=PERCENTILES) if long else {"completed": 0, "failed": 0},
-            "errors": errors}
-
-
-def mode_summary(doc: dict) -> dict[str, Any]:
-    """The numbers the table shows for one mode."""
-    base, mixed = doc["decode_only"]["short"], doc["mixed"]["short"]
-    long = doc["mixed"]["long"]
-    base_p50 = base["median_tpot_ms"]
-    out = {
-        "decode_only_tpot_p50_ms": base_p50, "decode_only_tpot_p99_ms": base["p99_tpot_ms"],
-        "decode_only_itl_p99_ms": base["p99_itl_ms"],
-        "mixed_tpot_p50_ms": mixed["median_tpot_ms"], "mixed_tpot_p99_ms": mixed["p99_tpot_ms"],
-        "mixed_itl_p99_ms": mixed["p99_itl_ms"],
-        "ratio_p99_to_decode_only_p50": mixed["p99_tpot_ms"] / base_p50 if base_p50 > 0 else math.nan,
-        "ratio_p99_to_decode_only_p99": (mixed["p99_tpot_ms"] / base["p99_tpot_ms"]
-                                         if base["p99_tpot_ms"] > 0 else math.nan),
-        "mixed_ttft_p50_ms": mixed["median_ttft_ms"], "mixed_ttft_p99_ms": mixed["p99_ttft_ms"],
-        "decode_only_ttft_p50_ms": base["median_ttft_ms"], "decode_only_ttft_p99_ms": base["p99_ttft_ms"],
-        "long_ttft_p50_ms": long.get("median_ttft_ms"), "long_completed": long["completed"],
-        "failed": base["failed"] + mixed["failed"] + long["failed"],
-    }
-    kv = doc["mixed"].get("kv_transfers")
-    if kv:
-        out.update(kv_transfers=kv["transfers"], kv_failed=kv["failed"], kv_mb=kv["bytes"] / 1e6,
-                   kv_gb_per_s=kv["gb_per_s"])
-    return out
-
-
-def serve_vs_inproc(results: dict) -> dict[str, dict]:
-    """Per served mode: its decode-only TPOT p50 against the in-process engine's (and the decode replica's step
-    p50 against the in-process one's: equal steps + higher TPOT = the time is between steps or in Serve)."""
-    modes = results.get("modes", {})
-    ref = modes.get("inproc", {})
-    if not ref.get("summary"):
-        return {}
-    base = ref["summary"]["decode_only_tpot_p50_ms"]
-    out = {}
-    for mode in ("unified", "pd"):
-        s = modes.get(mode, {}).get("summary")
-        if not s or base <= 0:
-            continue
-        out[mode] = {"tpot_p50_ms": s["decode_only_tpot_p50_ms"], "inproc_tpot_p50_ms": base,
-                     "overhead": s["decode_only_tpot_p50_ms"] / base - 1.0,
-                     "step_p50_ms": _step_p50(modes[mode]), "inproc_step_p50_ms": _step_p50(ref)}
-    return out
-
-
-def _step_p50(doc: dict) -> float | None:
-    return (((doc.get("decode_only") or {}).get("diagnosis") or {}).get("steps") or {}).get("step_ms", {}).get("p50")
-
-
-def format_diagnosis(results: dict) -> str:
-    """A few lines per mode and phase on where the time went (serving_trace.format_phase)."""
-    st = serving_trace()
-    lines = ["-" * 140, "where the time goes (ms unless noted; all of it: modes.<mode>.<phase>.diagnosis in the JSON, "
-                        "raw traces in the .trace.json)"]
-    for mode, doc in results.get("modes", {}).items():
-        for phase in ("decode_only", "mixed"):
-            ph = doc.get(phase)
-            if not ph:
-                continue
-            diag = ph.get("diagnosis")
-            if diag is None:
-                why = ph.get("diagnosis_error") or ph.get("trace_error") or "no trace"
-                lines.append(f"[{mode}] {phase}: no diagnosis ({why})")
-                continue
-            if ph.get("trace_error"):
-                lines.append(f"[{mode}] {phase}: replica timelines missing ({ph['trace_error']}); client side only")
-            lines += st.format_phase(f"[{mode}] {phase}", ph["short"], diag)
-    return "\n".join(lines)
-
-
-def format_table(results: dict) -> str:
-    """Short summary: one row per mode (ms)."""
-    cols = [("mode", 8), ("TPOT dec-only p50/p99", 22), ("TPOT mixed p50/p99", 19), ("p99/dec50", 9),
-            ("ITL p99 dec/mix", 16), ("TTFT mixed p50/p99", 19), ("long TTFT", 10), ("KV n / MB / GB/s", 21),
-            ("fail", 4)]
-    lines = ["=" * 140, "  ".join(f"{c:<{w}}" for c, w in cols)]
-    f1 = lambda v: "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"  # noqa: E731
-    for mode, doc in results.get("modes", {}).items():
-        s = doc.get("summary")
-        if not s:
-            lines.append(f"{mode:<8}  {'error: ' + str(doc.get('error', 'incomplete'))[:120]}")
-            continue
-        kv = (f"{s['kv_transfers']} / {s['kv_mb']:.3g} / {s['kv_gb_per_s']:.3g}" if "kv_transfers" in s else "-")
-        cells = [mode, f"{f1(s['decode_only_tpot_p50_ms'])} / {f1(s['decode_only_tpot_p99_ms'])}",
-                 f"{f1(s['mixed_tpot_p50_ms'])} / {f1(s['mixed_tpot_p99_ms'])}",
-                 f"{s['ratio_p99_to_decode_only_p50']:.2f}x",
-                 f"{f1(s['decode_only_itl_p99_ms'])} / {f1(s['mixed_itl_p99_ms'])}",
-                 f"{f1(s['mixed_ttft_p50_ms'])} / {f1(s['mixed_ttft_p99_ms'])}", f1(s["long_ttft_p50_ms"]), kv,
-                 str(s["failed"])]
-        lines.append("  ".join(f"{c:<{w}}" for c, (_, w) in zip(cells, cols)))
-    for err in results.get("errors", [])[:6]:
-        lines.append(f"error: {str(err)[:200]}")
-    overhead = serve_vs_inproc(results)
-    if overhead:
-        lines.append("Serve path vs in-process engine, decode-only TPOT p50 (PERF.md goal <= +5%): " + ", ".join(
-            f"{m} {o['tpot_p50_ms']:.1f} vs {o['inproc_tpot_p50_ms']:.1f} ({100 * o['overhead']:+.0f}%; decode step "
-            f"p50 {f1(o.get('step_p50_ms'))} vs {f1(o.get('inproc_step_p50_ms'))})" for m, o in overhead.items()))
-    lines.append(f"goal (PERF.md): pd mixed TPOT p99 <= {TPOT_GOAL_RATIO}x decode-only TPOT (p50); ms unless noted"
-                 + (f"; HTTP front: {results['http_proxy']}" if results.get("http_proxy") else ""))
-    lines.append("=" * 140)
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
+import serving_drivers as drivers  # noqa: E402
+import serving_report as report  # noqa: E402
 import serving_trace as st  # noqa: E402
 
 T0 = 1_000.0  # the run's start, time.time(); replica timelines are absolute, client traces relative
@@ -190,21 +192,21 @@ def bench():
 
 
 def test_client_trace_and_split_traces(bench):
-    r = bench.TracedResult(success=True, start=10.0, end=10.5, chunk_times=[10.25, 10.5], chunk_tokens=[1, 3],
+    r = drivers.TracedResult(success=True, start=10.0, end=10.5, chunk_times=[10.25, 10.5], chunk_tokens=[1, 3],
                            output_tokens=4, request_id="cmpl-x-0")
-    assert bench.client_trace([r], 10.0) == [{"id": "cmpl-x-0", "ok": True, "start": 0.0, "end": 0.5,
+    assert drivers.client_trace([r], 10.0) == [{"id": "cmpl-x-0", "ok": True, "start": 0.0, "end": 0.5,
                                               "t": [0.25, 0.5], "n": [1, 3], "out": 4}]
     results = {"modes": {"pd": {"decode_only": {"trace": {"t0": 1}, "short": {}}, "mixed": {"short": {}}}}}
     assert bench.split_traces(results) == {"pd": {"decode_only": {"t0": 1}}}
     assert "trace" not in results["modes"]["pd"]["decode_only"]
 
 
-def test_serve_vs_inproc(bench):
+def test_serve_vs_inproc():
     def mode(tpot, step_p50):
         return {"summary": {"decode_only_tpot_p50_ms": tpot},
                 "decode_only": {"diagnosis": {"steps": {"step_ms": {"p50": step_p50}}}}}
     results = {"modes": {"unified": mode(30.0, 6.0), "inproc": mode(24.0, 5.0)}}
-    out = bench.serve_vs_inproc(results)
+    out = report.serve_vs_inproc(results)
     assert set(out) == {"unified"} and out["unified"]["overhead"] == pytest.approx(0.25)
     assert out["unified"]["step_p50_ms"] == 6.0 and out["unified"]["inproc_step_p50_ms"] == 5.0
-    assert bench.serve_vs_inproc({"modes": {"unified": mode(30.0, 6.0)}}) == {}
+    assert report.serve_vs_inproc({"modes": {"unified": mode(30.0, 6.0)}}) == {}
