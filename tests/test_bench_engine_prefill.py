@@ -1,6 +1,7 @@
 """benchmarks/bench_engine_prefill.py: the CPU smoke run (tiny preset, fp32, random weights drawn at engine start,
-the Engine in-process), the JSON it writes and the table it prints last; and its floor arithmetic against counts
-made here by hand from the tiny config's fields (not by the script's own functions)."""
+the Engine in-process), the JSON it writes and the table it prints last; and its floor arithmetic
+(benchmarks/prefill_floor.py) against counts made here by hand from the tiny config's fields (not by the
+module's own functions)."""
 from __future__ import annotations
 
 import importlib.util
@@ -18,6 +19,14 @@ SCRIPT = REPO / "benchmarks" / "bench_engine_prefill.py"
 @pytest.fixture(scope="module")
 def bench():
     spec = importlib.util.spec_from_file_location("bench_engine_prefill_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def floor():
+    spec = importlib.util.spec_from_file_location("prefill_floor_under_test", REPO / "benchmarks" / "prefill_floor.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -111,19 +120,19 @@ def _tiny_matrices(c) -> tuple[int, int, int]:
     return per_token, routed_all, c.vocab_size * h
 
 
-def test_parameter_count_by_hand(bench, tiny):
+def test_parameter_count_by_hand(floor, tiny):
     per_token, routed_all, lm_head = _tiny_matrices(tiny)
     # tiny: attention 4 x (2*8*32*128 + 2*2*32*128) = 327,680; index 3 x (2*32 + 32)*128 = 36,864; dense MLP
     # 3*256*128 = 98,304; per MoE layer: router 8*128 + top-2 experts 2*3*64*128 + shared 3*64*128 = 74,752, x 3
     assert per_token == 327680 + 36864 + 98304 + 3 * 74752 == 687104
-    assert bench.params_per_token(tiny) == per_token
-    parts = bench.active_params(tiny)
+    assert floor.params_per_token(tiny) == per_token
+    parts = floor.active_params(tiny)
     assert parts["routed_all"] == routed_all == 3 * 8 * 3 * 64 * 128 and parts["lm_head"] == lm_head == 384 * 128
 
 
-def test_floor_of_a_chunked_prompt_by_hand(bench, tiny):
+def test_floor_of_a_chunked_prompt_by_hand(floor, tiny):
     """100 tokens in chunks of 64: (start 0, 64 tokens, no logits) then (start 64, 36 tokens, one logits row)."""
-    steps = bench.planned_steps(100, 64)
+    steps = floor.planned_steps(100, 64)
     assert steps == [[(0, 64, False)], [(64, 36, True)]]
     per_token, routed_all, lm_head = _tiny_matrices(tiny)
     hd = tiny.num_attention_heads * tiny.head_dim  # 256
@@ -149,7 +158,7 @@ def test_floor_of_a_chunked_prompt_by_hand(bench, tiny):
                 + 3 * touched * 3 * 64 * 128 * 4)
 
     b1, b2 = nbytes(64, False), nbytes(36, True)
-    got = bench.floor_of_steps(tiny, steps, dtype_bytes=4)
+    got = floor.floor_of_steps(tiny, steps, dtype_bytes=4)
     assert got["steps"] == 2
     assert got["flop_ms"] == pytest.approx((f1 + f2) / 790e12 * 1e3, rel=1e-12)
     assert got["byte_ms"] == pytest.approx((b1 + b2) / 4.3e12 * 1e3, rel=1e-12)
@@ -157,16 +166,16 @@ def test_floor_of_a_chunked_prompt_by_hand(bench, tiny):
     assert got["floor_ms"] == pytest.approx(want_floor * 1e3, rel=1e-12)
 
 
-def test_m3_slice_floors_match_perf_md(bench):
+def test_m3_slice_floors_match_perf_md(floor):
     """PERF.md: ~1.52 B active parameters per token, ~36 ms (8k) and ~160 ms (32k) of FLOP floor; the weights a
     many-token step reads: 14.5 GB of routed experts per MoE layer."""
     from workers.models import preset_config
 
     c = preset_config("m3-slice")
-    assert bench.params_per_token(c) == pytest.approx(1.52e9, rel=0.005)
-    assert bench.floor_of_steps(c, bench.planned_steps(8192, 2048), 2)["flop_ms"] == pytest.approx(36, rel=0.05)
-    assert bench.floor_of_steps(c, bench.planned_steps(32768, 2048), 2)["flop_ms"] == pytest.approx(160, rel=0.05)
-    experts = bench.step_bytes(c, 8192, 0, 2)["routed_experts"]
+    assert floor.params_per_token(c) == pytest.approx(1.52e9, rel=0.005)
+    assert floor.floor_of_steps(c, floor.planned_steps(8192, 2048), 2)["flop_ms"] == pytest.approx(36, rel=0.05)
+    assert floor.floor_of_steps(c, floor.planned_steps(32768, 2048), 2)["flop_ms"] == pytest.approx(160, rel=0.05)
+    experts = floor.step_bytes(c, 8192, 0, 2)["routed_experts"]
     assert experts / 3 == pytest.approx(128 * 3 * 3072 * 6144 * 2, rel=1e-6) == pytest.approx(14.5e9, rel=0.01)
 
 
