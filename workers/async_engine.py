@@ -95,6 +95,7 @@ def _put_pairs(pairs: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], EngineAPI] | EngineAPI) -> None:
+        self._step_cpus = step_cpus(os.environ.get(STEP_CPUS_ENV))  # first: a bad value fails before the load
         self.engine = engine_factory if isinstance(engine_factory, EngineAPI) else engine_factory()
         self.max_waiting = self.engine.engine_config.max_waiting
         self._lock = threading.Lock()  # guards the inbox, the streams and the published stats
@@ -120,7 +121,6 @@ class AsyncEngine:
         if self._disaggregated:
             self.engine.add_transfer_listener(self._wake.set)
         self._timeline: deque[tuple] = deque(maxlen=TIMELINE_STEPS)  # appended by the step thread only
-        self._step_cpus = step_cpus(os.environ.get(STEP_CPUS_ENV))  # checked here: a bad value fails the load
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
