@@ -388,7 +388,7 @@ class EngineMetrics:
         self._last_batch_size = last_batch_size
         self._set("batch_size", last_batch_size)
 
-    def record_tick(self, batch: "TickBatch") -> None:
+    def record_tick(self, batch: TickBatch) -> None:
         """What one reporter tick read from the engine: steps, finished requests, transfers, then the snapshot."""
         self._record_step_times(batch.step_times, batch.host_overheads, batch.last_batch_size)
         for req in batch.requests:

@@ -4,8 +4,8 @@ Why a process: recording is per value (Ray's histograms take no counts, so every
 call into Ray's recorder, ~2.6 us, plus one into the replica's prometheus_client registry), and in the engine
 replica's process that work holds the GIL its step thread needs. On the H200 a reporter tick's 7-60 ms of it
 stalled 1.6 ms decode steps to 6-20 ms, and cutting it into slices with sleeps between them only spread the stall
-over more steps (docs/benchmarks.md S5, S6). vLLM keeps its metrics out of its engine core's process for the same
-reason. So the replica's `EngineReporter` only pops the engine's stats into a `TickBatch` (plain lists) and
+over more steps (docs/benchmarks.md S5, S6). (vLLM V1 likewise records its metrics in its front-end process, not
+in the engine core's.) So the replica's `EngineReporter` only pops the engine's stats into a `TickBatch` (plain lists) and
 `ExporterClient` sends it here in one fire-and-forget actor call; `MetricsExporter` owns the replica's
 `EngineMetrics`: Ray's export and the replica's own registry, whose families the API port's /metrics asks for.
 
