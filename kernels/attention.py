@@ -79,15 +79,15 @@ def _check(q, k_cache, v_cache, row_seq, positions, block_ids) -> None:
 
 
 @step_jit(ints=("pt_st_r", "num_splits"), ptrs=("row_seq_ptr", "pos_ptr", "pt_ptr"))
-def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid_ptr, o_ptr, po_ptr, plse_ptr,
-                        q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
+def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid_ptr, pid_ptr, o_ptr, po_ptr,
+                        plse_ptr, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                         bid_st_n, bid_st_h, o_st_n, o_st_h, po_st_n, po_st_h, po_st_s, pl_st_n, pl_st_h,
                         qk_scale_log2, num_splits, cnt_ptr,
                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
                         BLOCK_N: tl.constexpr,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
                         ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRELOAD: tl.constexpr,
-                        PREFETCH: tl.constexpr, FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+                        PAGE_IDS: tl.constexpr, FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
                         PDL: tl.constexpr):
     pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
@@ -109,31 +109,30 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
         ids = tl.load(bid_ptr + n * bid_st_n + kvh * bid_st_h + kk, mask=kk < TOPK, other=-1)
         count = tl.sum((ids >= 0).to(tl.int32), axis=0)
         if PRELOAD:
-            # the row's page ids in one gather up front: only the K/V tile loads stay on the loop's chain
-            pages = tl.load(pt_ptr + req * pt_st_r + ids, mask=ids >= 0, other=0)
+            # the row's page ids in one gather up front: only the K/V tile loads stay on the loop's chain. Given
+            # by the indexer (PAGE_IDS) they load beside the block ids, else through the page table after them
+            if PAGE_IDS:
+                pages = tl.load(pid_ptr + n * bid_st_n + kvh * bid_st_h + kk, mask=kk < TOPK, other=0)
+            else:
+                pages = tl.load(pt_ptr + req * pt_st_r + ids, mask=ids >= 0, other=0)
     else:
         count = p // PS + 1
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     bid_row = bid_ptr + n * bid_st_n + kvh * bid_st_h
+    pid_row = pid_ptr + n * bid_st_n + kvh * bid_st_h
     pt_row = pt_ptr + req * pt_st_r
-    if PREFETCH:
-        # the block and page id of this split's first tile; the loop loads the next tile's before its dots
-        b_next, page_next = _tile_page(bid_row, pt_row, s // SUB, s < count * SUB, SPARSE)
     for i in range(s, count * SUB, num_splits):
         j = i // SUB
-        if PREFETCH:
-            # ids of tile i were loaded an iteration ago: its K/V loads wait on no id load, and tile i + S's id
-            # chain (block id -> page id) runs under tile i's loads and dots
-            b, page = b_next, page_next
-            nxt = i + num_splits
-            b_next, page_next = _tile_page(bid_row, pt_row, nxt // SUB, nxt < count * SUB, SPARSE)
-        elif SPARSE:
+        if SPARSE:
             if PRELOAD:
                 sel = kk == j
                 b = tl.sum(tl.where(sel, ids, 0), axis=0).to(tl.int64)
                 page = tl.sum(tl.where(sel, pages, 0), axis=0).to(tl.int64)
+            elif PAGE_IDS:
+                b = tl.load(bid_row + j).to(tl.int64)
+                page = tl.load(pid_row + j).to(tl.int64)
             else:
                 b = tl.load(bid_row + j).to(tl.int64)
                 page = tl.load(pt_row + b).to(tl.int64)
@@ -183,18 +182,6 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
 
 
 @triton.jit
-def _tile_page(bid_row, pt_row, j, live, SPARSE: tl.constexpr):
-    """(block id, page id) of a row's j-th tile block: selected id j for sparse layers, block j for dense ones;
-    (0, 0) where `live` is false (past the split's last tile: nothing is read for it)."""
-    if SPARSE:
-        b = tl.load(bid_row + j, mask=live, other=0).to(tl.int64)
-    else:
-        b = tl.where(live, j, 0).to(tl.int64)
-    page = tl.load(pt_row + b, mask=live, other=0).to(tl.int64)
-    return b, page
-
-
-@triton.jit
 def _merge_group(po_row, pl_row, o_row, heads, ok, po_st_h, po_st_s, pl_st_h, o_st_h, num_splits,
                  D: tl.constexpr, BLOCK_S: tl.constexpr):
     # heads [BG] of one row: out = sum_s 2^(lse_s - m) part_s / sum_s 2^(lse_s - m). `.cg` reads: the partials
@@ -210,9 +197,9 @@ def _merge_group(po_row, pl_row, o_row, heads, ok, po_st_h, po_st_s, pl_st_h, o_
     for s in tl.static_range(BLOCK_S):
         lse_s = tl.load(pl_row + heads * pl_st_h + s, mask=ok & (s < num_splits), other=float("-inf"),
                         cache_modifier=".cg")
-        live = lse_s > float("-inf")
-        part = tl.load(po_row + heads[:, None] * po_st_h + s * po_st_s + d[None, :], mask=(ok & live)[:, None],
-                       other=0.0, cache_modifier=".cg")
+        # every split stores its partial (zeros when empty), so its load need not wait for the lse
+        part = tl.load(po_row + heads[:, None] * po_st_h + s * po_st_s + d[None, :],
+                       mask=(ok & (s < num_splits))[:, None], other=0.0, cache_modifier=".cg")
         acc += part * tl.exp2(lse_s - m)[:, None]
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(o_row + heads[:, None] * o_st_h + d[None, :], out.to(o_row.dtype.element_ty), mask=ok[:, None])
@@ -231,8 +218,9 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, p
     m = tl.max(lse, axis=0)
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     w = tl.exp2(lse - m_safe)  # 0 for empty splits
+    # every split stores its partial (zeros when empty): the load need not wait for the lse's
     part = tl.load(po_ptr + n * po_st_n + h * po_st_h + sp[:, None] * po_st_s + d[None, :],
-                   mask=(sp < num_splits)[:, None] & (lse > float("-inf"))[:, None], other=0.0)
+                   mask=(sp < num_splits)[:, None], other=0.0)
     total = tl.sum(w, axis=0)
     out = tl.sum(part * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + n * o_st_n + h * o_st_h + d, out.to(o_ptr.dtype.element_ty))
@@ -240,15 +228,17 @@ def _merge_kernel(po_ptr, plse_ptr, o_ptr, po_st_n, po_st_h, po_st_s, pl_st_n, p
 
 _LOG2E = 1.4426950408889634
 # launch options of the decode kernel (benchmarks/kernels/bench_decode.py sweeps them on the GPU)
-ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128}
-# preload None: a sparse program gathers its page ids up front when it reads one tile (H200, B=1: 7.8 vs 8.3 us;
-# with several tiles it costs registers: B=16 31.2 vs 30.0, B=64 75.3 vs 72.1). fold_merge None: the last split
-# of a (row, KV head) merges the partials (no merge launch) up to MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7
-# vs 30.0 us); with more splits one program would merge what the merge kernel spreads over G (B=1, 16 splits:
-# 11.9 vs 8.3 us). True/False force either. prefetch: the next tile's block and page id loaded before this tile's
-# dots, for programs that walk several tiles (at B=1 each tile a program walked cost ~2.1 us, docs/benchmarks.md
-# "Sparse decode sweep"); off until timed on the GPU (bench_decode.py's "fetch" variants).
-ATTN_OPTS = {"preload": None, "fold_merge": None, "prefetch": False}
+# block_n_walk: the key tile of a sparse program that walks several blocks. Smaller tiles let 2 programs' pipeline
+# stages share an SM with the page ids preloaded (H200, B = 16, 4 splits, folded merge, two runs: 64-key tiles,
+# 3 stages, preloaded 24.9 / 25.1 us; 128-key tiles, ids in the loop 25.9 / 26.3; docs/benchmarks.md "Sparse
+# decode, where the time goes"). One tile a program (B = 1) keeps block_n.
+ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128, "block_n_walk": 64}
+# preload None: a sparse program gathers its page ids up front when it reads one tile (H200, B=1: 7.8 vs 8.3 us)
+# or walks block_n_walk tiles; with several 128-key tiles it costs registers (B=16 31.2 vs 30.0, B=64 75.3 vs
+# 72.1). fold_merge None: the last split of a (row, KV head) merges the partials (no merge launch) up to
+# MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7 vs 30.0 us); with more splits one program would merge what the
+# merge kernel spreads over G (B=1, 16 splits: 11.9 vs 8.3 us). True/False force either.
+ATTN_OPTS = {"preload": None, "fold_merge": None}
 MAX_FOLD_SPLITS = 4
 
 
@@ -266,9 +256,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            row_seq: torch.Tensor, positions: torch.Tensor, scale: float,
                            block_ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, fold_merge: bool | None = None,
-                           preload: bool | None = None, prefetch: bool | None = None) -> torch.Tensor:
+                           preload: bool | None = None, page_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Triton flash-decoding for rows [0, N) of its inputs (shapes as in `paged_attention_ref`); dense when
-    block_ids is None. `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
+    block_ids is None. `page_ids` (sparse only, optional): the selected blocks' pages, [N, Hkv, topk] int32 with
+    block_ids' strides (page_tables[row_seq[n], block_ids[n, h, i]] where that id is >= 0, anything in the -1 tail),
+    so a tile's page is not looked up after its block id (-0.3 us of 6.4 at B = 1 on the H200; the engine's indexer
+    does not write them yet). `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -285,12 +278,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     topk = block_ids.shape[-1] if sparse else 1
     launch = dict(ATTN_LAUNCH)
     block_n = min(launch.pop("block_n", ps), ps)
+    walk_n = min(launch.pop("block_n_walk", block_n), block_n)
     if torch.float32 in (q.dtype, k_cache.dtype):
         # fp32 (parity runs): the bf16 tiles and stages would ask ~272 KB of shared memory at head_dim 128
         block_n, launch["num_stages"] = min(block_n, 64), min(launch["num_stages"], 2)
-    max_tiles = (topk if sparse else page_tables.shape[1]) * (ps // block_n)
+    blocks = topk if sparse else page_tables.shape[1]
+    max_tiles = blocks * (ps // block_n)
     splits = num_splits or default_attn_splits(n, hkv, max_tiles, q.device, sparse=sparse)
     splits = max(1, min(splits, max_tiles))
+    # a sparse program walking several tiles takes the smaller walk tile (same blocks a program: splits unchanged)
+    walk = sparse and splits < max_tiles and walk_n < block_n
+    if walk:
+        block_n, max_tiles = walk_n, blocks * (ps // walk_n)
     one = splits == 1
     if one:
         po = plse = out  # unused
@@ -312,18 +311,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pre = ATTN_OPTS["preload"] if preload is None else preload
     pdl_opts, pdl = pdl_launch(q.device, "attention", n)
     if pre is None:
-        pre = splits >= max_tiles
-    fetch = ATTN_OPTS["prefetch"] if prefetch is None else prefetch
-    pre = pre and not fetch  # one way of getting a tile's page id
+        pre = splits >= max_tiles or walk
+    if page_ids is not None and (not sparse or page_ids.shape != block_ids.shape
+                                 or page_ids.stride() != block_ids.stride() or page_ids.dtype != torch.int32):
+        raise ValueError("attention: page_ids must be int32 with block_ids' shape and strides (sparse layers)")
     runnable(_decode_attn_kernel, q.device)[(n, hkv, splits)](
-        q, k_cache, v_cache, page_tables, row_seq, positions, bid, out, po, plse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q, k_cache, v_cache, page_tables, row_seq, positions, bid, bid if page_ids is None else page_ids, out, po,
+        plse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
         bid_st[0], bid_st[1], out.stride(0), out.stride(1), *po_st, *pl_st,
         float(scale) * _LOG2E, splits, counters if counters is not None else plse,
-        G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk, BLOCK_TOPK=max(16, next_pow2(topk)),
-        SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32, PRELOAD=bool(pre and sparse), PREFETCH=bool(fetch),
-        FOLD_MERGE=counters is not None, BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, **launch, **pdl_opts)
+        G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk,
+        BLOCK_TOPK=max(16, next_pow2(topk)), SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32,
+        PRELOAD=bool(pre and sparse), PAGE_IDS=page_ids is not None, FOLD_MERGE=counters is not None,
+        BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, **launch, **pdl_opts)
     if not one and counters is None:
         runnable(_merge_kernel, q.device)[(n, hq)](
             po, plse, out, *po_st, *pl_st, out.stride(0), out.stride(1), splits,

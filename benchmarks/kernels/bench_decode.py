@@ -148,6 +148,13 @@ def bench_index(batch, length, gen, log):
                 sets=num_sets, variants={k: e.get("us") for k, e in variants.items()})
 
 
+def page_ids(sel, table, row_seq):
+    """[B, Hkv, TOPK] int32: the pages of `sel`'s blocks (0 in the -1 tail), as the indexer would write them."""
+    rows = table.long()[row_seq.long()]
+    pages = torch.gather(rows[:, None, :].expand(-1, sel.shape[1], -1), 2, sel.clamp(min=0).long())
+    return torch.where(sel >= 0, pages, 0).to(torch.int32)
+
+
 def random_selection(batch, lens, gen):
     """[B, Hkv, TOPK] int32: TOPK distinct ascending visible blocks per KV head, own block included."""
     out = torch.full((batch, HKV, TOPK), -1, dtype=torch.int32)
@@ -160,9 +167,12 @@ def random_selection(batch, lens, gen):
     return out.cuda()
 
 
-# name -> (fold_merge, preload, prefetch) of kernels/attention.py's decode launcher
-ATTN_VARIANTS = {"merge": (False, False, False), "fold": (True, False, False), "pre": (False, True, False),
-                 "fold+pre": (True, True, False), "fetch": (False, False, True), "fold+fetch": (True, False, True)}
+# name -> (fold_merge, preload, page ids given) of kernels/attention.py's decode launcher, None = its default.
+# "pid": the selected blocks' page ids are an input (as if the indexer wrote them beside the block ids), not looked
+# up in the kernel
+ATTN_VARIANTS = {"default": (None, None, False), "merge": (False, None, False), "fold": (True, None, False),
+                 "no-pre": (None, False, False), "pid": (None, None, True), "merge+pid": (False, None, True),
+                 "fold+pid": (True, None, True)}
 
 
 def bench_attention(kind, batch, length, gen, log):
@@ -179,34 +189,38 @@ def bench_attention(kind, batch, length, gen, log):
     row_seq = torch.arange(batch, dtype=torch.int32, device="cuda")
     qs = [torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(num_sets)]
     sels = [random_selection(batch, lens, gen) for _ in range(num_sets)] if sparse else [None] * num_sets
+    pids = [page_ids(sel, t, row_seq) for sel, t in zip(sels, tables)] if sparse else [None] * num_sets
     max_blocks = TOPK if sparse else tables[0].shape[1]
     base = attention.default_attn_splits(batch, HKV, max_blocks, torch.device("cuda"), sparse=sparse)
     scale = D ** -0.5
     want = attention.paged_attention_ref(qs[0], kc, vc, tables[0], row_seq, pos, scale, sels[0])
 
-    def run(i, splits, fold=None, pre=None, fetch=None):
+    def run(i, splits, fold=None, pre=None, pid=False):
         return attention.paged_decode_attention(qs[i], kc, vc, tables[i], row_seq, pos, scale, sels[i],
-                                                num_splits=splits, fold_merge=fold, preload=pre, prefetch=fetch)
+                                                num_splits=splits, fold_merge=fold, preload=pre,
+                                                page_ids=pids[i] if pid else None)
 
-    def timed(name, splits=None, cfg=(4, 3, 128)):
-        fold, pre, fetch = ATTN_VARIANTS[name]
-        warps, stages, block_n = cfg
-        attention.ATTN_LAUNCH.update(num_warps=warps, num_stages=stages, block_n=block_n)
-        entry = {"op": kind, "B": batch, "L": length, "variant": name, "splits": splits or base, "warps": warps,
-                 "stages": stages, "block_n": block_n}
+    def timed(name, splits=None, cfg=None):
+        fold, pre, pid = ATTN_VARIANTS[name]
+        shipped = dict(attention.ATTN_LAUNCH)
+        if cfg is not None:  # (warps, stages, key tile), the tile for every program
+            attention.ATTN_LAUNCH.update(num_warps=cfg[0], num_stages=cfg[1], block_n=cfg[2], block_n_walk=cfg[2])
+        entry = {"op": kind, "B": batch, "L": length, "variant": name, "splits": splits or base,
+                 "launch": "default" if cfg is None else "w=%d st=%d tile=%d" % cfg}
         try:
-            a, b = run(0, splits, fold, pre, fetch), run(0, splits, fold, pre, fetch)
+            a, b = run(0, splits, fold, pre, pid), run(0, splits, fold, pre, pid)
             rel = ((a.float() - want.float()).norm() / want.float().norm()).item()
-            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre, fetch) for i in range(num_sets)]),
+            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre, pid) for i in range(num_sets)]),
                          rel_err=rel, correct=rel < 1e-2 and bool(torch.equal(a, b)))
         except Exception as e:
             entry.update(error=repr(e)[:300])
         finally:
-            attention.ATTN_LAUNCH.update(num_warps=4, num_stages=3, block_n=128)
+            attention.ATTN_LAUNCH.clear()
+            attention.ATTN_LAUNCH.update(shipped)
         log.append(entry)
         return entry
 
-    names = list(ATTN_VARIANTS) if sparse else ["merge", "fold", "fetch", "fold+fetch"]
+    names = list(ATTN_VARIANTS) if sparse else ["default", "merge", "fold"]
     variants = {name: timed(name) for name in names}
     good = [e for e in variants.values() if "us" in e and e["correct"]]
     best = min(good, key=lambda e: e["us"])
@@ -215,7 +229,7 @@ def bench_attention(kind, batch, length, gen, log):
                          min(max_blocks * 2, base * 4)})
     configs = [(4, 3, 128), (4, 2, 64), (4, 3, 64), (4, 4, 64)] if sparse else [(4, 3, 128), (4, 3, 64)]
     for splits, cfg in itertools.product(split_opts, configs):
-        if time.time() > DEADLINE[0] or (splits, cfg) == (base, (4, 3, 128)):
+        if time.time() > DEADLINE[0]:
             continue
         e = timed(best["variant"], splits, cfg)
         if "us" in e and e["correct"]:
@@ -228,8 +242,7 @@ def bench_attention(kind, batch, length, gen, log):
     floor = batch * HKV * eff * D * 2 * 2 / HBM * 1e6
     vs = " ".join(f"{k}={e['us']:.1f}{'' if e.get('correct') else '(WRONG)'}" for k, e in variants.items() if "us" in e)
     return dict(op=kind, B=batch, L=length, us=shipped, best_us=top["us"], floor_us=floor, bytes=read,
-                config=f"best {top['variant']} splits={top['splits']} w={top['warps']} st={top['stages']} "
-                       f"tile={top['block_n']} | {vs}", default_splits=base,
+                config=f"best {top['variant']} splits={top['splits']} {top['launch']} | {vs}", default_splits=base,
                 correct=rel < 1e-2 and all(e.get("correct", True) for e in variants.values()),
                 rel_err=rel, sets=num_sets, variants={k: e.get("us") for k, e in variants.items()})
 

@@ -5,6 +5,7 @@ inputs and method: one CUDA graph of many calls over rotating inputs, L2 cold pe
 lower kept, with its relative error against the fp32 reference. docs/benchmarks.md "Sparse decode sweep".
 
   PYTHONPATH=$PWD python3 benchmarks/kernels/sweep_decode_attn.py --out /tmp/sweep.json
+  PYTHONPATH=$PWD python3 benchmarks/kernels/sweep_decode_attn.py --grid tiles --empty   # tile sizes; bare cost
 """
 from __future__ import annotations
 
@@ -18,15 +19,43 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_decode as bd  # noqa: E402
 
-from kernels import attention  # noqa: E402
+from kernels import _triton, attention  # noqa: E402
 
-GRID = {  # batch -> (fold_merge, num_splits, num_warps); (None, None, 4) = the shipped default
-    1: [(fold, s, w) for fold in (False, True) for s in (2, 4, 8, 16) for w in (4, 8)],
-    16: [(True, s, w) for s in (2, 3, 4, 6, 8) for w in (4, 8)] + [(False, s, 4) for s in (4, 8)],
+# block_n None: the launcher's tiles (block_n, or block_n_walk where a program walks several); a number: that tile
+SHIPPED = dict(fold=None, splits=None, warps=4, block_n=None, stages=3, preload=None, pid=False, pdl=None)
+
+
+def _grid(batch_settings: dict) -> dict:
+    """batch -> settings, each the shipped one with the keys given changed"""
+    return {b: [{**SHIPPED, **kw} for kw in kws] for b, kws in batch_settings.items()}
+
+
+GRIDS = {  # name -> batch -> settings (SHIPPED's keys); each grid also times the shipped setting first
+    "launch": _grid({
+        1: [dict(fold=fold, splits=s, warps=w, block_n=128) for fold in (False, True) for s in (2, 4, 8, 16)
+            for w in (4, 8)],
+        16: [dict(fold=True, splits=s, warps=w, block_n=128) for s in (2, 3, 4, 6, 8) for w in (4, 8)]
+        + [dict(fold=False, splits=s, block_n=128) for s in (4, 8)],
+    }),
+    # smaller tiles: more programs (and SMs) per row at B = 1, fewer bytes a program at 16
+    "tiles": _grid({
+        1: [dict(fold=False, splits=s, warps=w, block_n=bn) for bn, ss in ((64, (16, 32)), (32, (32, 64)))
+            for s in ss for w in (2, 4)],
+        16: [dict(fold=fold, splits=s, block_n=bn) for bn in (64, 32) for fold in (True, False) for s in (4, 8)],
+    }),
+    # B = 16: page ids up front (preload, or given: pid) so the loop's tile loads can be pipelined, in tiles small
+    # enough that 2-3 programs' stages fit an SM's shared memory; PDL on and off
+    "pipe": _grid({
+        1: [dict(pid=True, pdl=pdl) for pdl in (True, False)],
+        16: [dict(fold=fold, splits=s, block_n=bn, stages=st, preload=pre, pid=pid, pdl=pdl)
+             for bn, st in ((128, 2), (64, 2), (64, 3), (64, 4), (32, 4)) for s in (4, 8) for fold in (True, False)
+             for pre, pid in ((True, False), (True, True)) for pdl in (False,)]
+        + [dict(fold=fold, pid=True, pdl=True) for fold in (True, False)],
+    }),
 }
 
 
-def sweep(batch: int, settings: list, gen: torch.Generator) -> list[dict]:
+def sweep(batch: int, settings: list, gen: torch.Generator, empty: bool = False) -> list[dict]:
     lens = bd.lengths(batch, 8700, gen)
     read = sum(min(n, bd.TOPK * bd.PS) for n in lens) * bd.HKV * bd.D * 4
     num_sets = max(1, min(64, -(-4 * bd.L2_BYTES // read)))
@@ -38,24 +67,36 @@ def sweep(batch: int, settings: list, gen: torch.Generator) -> list[dict]:
     rows = torch.arange(batch, dtype=torch.int32, device="cuda")
     qs = [torch.randn(batch, bd.HQ, bd.D, device="cuda", dtype=torch.bfloat16) for _ in range(num_sets)]
     sels = [bd.random_selection(batch, lens, gen) for _ in range(num_sets)]
+    if empty:  # no block selected: what is left is the launches, the id loads and the merge
+        sels = [torch.full_like(x, -1) for x in sels]
+    pids = [bd.page_ids(sel, t, rows) for sel, t in zip(sels, tables)]
     scale = bd.D ** -0.5
-    want = attention.paged_attention_ref(qs[0], kc, vc, tables[0], rows, pos, scale, sels[0])
+    want = None if empty else attention.paged_attention_ref(qs[0], kc, vc, tables[0], rows, pos, scale, sels[0])
     out = []
-    for fold, splits, warps in [(None, None, 4)] + settings:
-        attention.ATTN_LAUNCH.update(num_warps=warps)
+    pdl_rows, shipped = dict(_triton.PDL_MAX_ROWS), dict(attention.ATTN_LAUNCH)
+    for cfg in [SHIPPED] + settings:
+        attention.ATTN_LAUNCH.update(num_warps=cfg["warps"], num_stages=cfg["stages"])
+        if cfg["block_n"] is not None:
+            attention.ATTN_LAUNCH.update(block_n=cfg["block_n"], block_n_walk=cfg["block_n"])
+        if cfg["pdl"] is not None:
+            _triton.PDL_MAX_ROWS["attention"] = batch if cfg["pdl"] else 0
 
-        def run(i, fold=fold, splits=splits):
+        def run(i, cfg=cfg):
             return attention.paged_decode_attention(qs[i], kc, vc, tables[i], rows, pos, scale, sels[i],
-                                                    num_splits=splits, fold_merge=fold)
-        entry = dict(B=batch, fold=fold, splits=splits, warps=warps)
+                                                    num_splits=cfg["splits"], fold_merge=cfg["fold"],
+                                                    preload=cfg["preload"], page_ids=pids[i] if cfg["pid"] else None)
+        entry = dict(B=batch, **cfg, empty=empty)
         try:
             got = run(0)
-            entry["rel"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            if want is not None:
+                entry["rel"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
             entry["us"] = min(bd.graph_time_us([lambda i=i: run(i) for i in range(num_sets)]) for _ in range(2))
         except Exception as e:  # keep the other settings' numbers
             entry["error"] = repr(e)[:200]
         finally:
-            attention.ATTN_LAUNCH.update(num_warps=4)
+            attention.ATTN_LAUNCH.clear()
+            attention.ATTN_LAUNCH.update(shipped)
+            _triton.PDL_MAX_ROWS.update(pdl_rows)
         out.append(entry)
         print(entry, flush=True)
     return out
@@ -64,15 +105,20 @@ def sweep(batch: int, settings: list, gen: torch.Generator) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="launch")
+    ap.add_argument("--empty", action="store_true", help="also time each setting with no block selected")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    rows = [e for batch, settings in GRID.items() for e in sweep(batch, settings, gen)]
+    rows = [e for batch, settings in GRIDS[args.grid].items() for e in sweep(batch, settings, gen)]
+    if args.empty:
+        rows += [e for batch, settings in GRIDS[args.grid].items() for e in sweep(batch, settings, gen, empty=True)]
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
-    print("\nB  fold   splits warps  us      rel err")
+    keys = list(SHIPPED) + ["empty"]
+    print("\nB   " + "".join(f"{k:<8}" for k in keys) + "us      rel err")
     for r in rows:
         us = f"{r['us']:.2f}" if "us" in r else r["error"]
-        print(f"{r['B']:<3}{str(r['fold']):<7}{str(r['splits']):<7}{r['warps']:<7}{us:<8}{r.get('rel', 0):.1e}")
+        print(f"{r['B']:<4}" + "".join(f"{str(r[k]):<8}" for k in keys) + f"{us:<8}{r.get('rel', 0):.1e}")
     return 0
 
 

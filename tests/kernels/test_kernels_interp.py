@@ -165,10 +165,18 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("fold,preload,prefetch", [(None, None, None), (True, False, None), (False, True, None),
-                                                    (True, True, None), (False, None, True), (True, None, True)])
+def _page_ids(block_ids, page_tables, row_seq, tail=10**6):
+    """The selected blocks' pages as the indexer writes them beside block ids; `tail` in the -1 slots (a page far
+    outside the cache: a kernel that read one there would fault or read garbage)."""
+    table = page_tables.long()[row_seq.long()]  # [N, max_pages]
+    pages = torch.gather(table[:, None, :].expand(-1, block_ids.shape[1], -1), 2, block_ids.clamp(min=0).long())
+    return torch.where(block_ids >= 0, pages, tail).to(torch.int32)
+
+
+@pytest.mark.parametrize("fold,preload,pages", [(None, None, False), (True, False, False), (False, True, False),
+                                                 (True, True, False), (False, False, True), (None, True, True)])
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, prefetch, nan_poison):
+def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, pages, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=10)
     gen = torch.Generator().manual_seed(11)
@@ -181,7 +189,7 @@ def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
                                      0.3, block_ids, out=out, num_splits=splits, fold_merge=fold, preload=preload,
-                                     prefetch=prefetch)
+                                     page_ids=_page_ids(block_ids, case.page_tables, case.row_seq) if pages else None)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
     from kernels._triton import _ARRIVAL_COUNTERS
@@ -190,9 +198,42 @@ def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold
     assert counters is None or int(counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("splits,fold,prefetch", [(1, None, None), (3, None, None), (None, None, None),
-                                                   (3, True, None), (1, None, True), (3, False, True)])
-def test_dense_attention_matches_ref(paged_case, splits, fold, prefetch, nan_poison):
+def test_sparse_programs_walking_several_blocks_take_the_walk_tile(paged_case, monkeypatch):
+    # 32-token pages, walk tile 16: a program of 2 splits walks its blocks in half-page tiles, page ids preloaded
+    ps = 32
+    case = paged_case(context_lens=[5 * ps + 7, 2 * ps], rows=[(0, 5 * ps + 6), (0, 3 * ps), (1, 2 * ps - 1)],
+                      page_size=ps, kv_heads=HKV, head_dim=D, index_dim=DI, seed=20)
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(3, 2 * HKV, D, generator=gen)
+    block_ids = itk.index_topk_ref(torch.randn(3, HKV, DI, generator=gen), case.index_k_cache, case.page_tables,
+                                   case.row_seq, case.positions, 4, 1)
+    args = (q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions, 0.3, block_ids)
+    want = attention.paged_attention_ref(*args)
+    launched = []
+    real = attention.runnable
+
+    class Spy:  # records the decode kernel's tile and preload as launched
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launched.append((kw["BLOCK_N"], kw["PRELOAD"]))
+                return self.kernel[grid](*a, **kw)
+            return launch
+    monkeypatch.setattr(attention, "runnable", lambda k, dev: Spy(real(k, dev)) if k is attention._decode_attn_kernel
+                        else real(k, dev))
+    monkeypatch.setitem(attention.ATTN_LAUNCH, "block_n", ps)
+    monkeypatch.setitem(attention.ATTN_LAUNCH, "block_n_walk", ps // 2)
+    for splits, tile in ((2, ps // 2), (4, ps)):  # 4 splits of 4 blocks: one tile a program keeps the page tile
+        launched.clear()
+        got = attention.paged_decode_attention(*args, num_splits=splits)
+        assert launched == [(tile, True)], splits
+        assert _rel(got, want) < 1e-5, splits
+
+
+@pytest.mark.parametrize("splits,fold", [(1, None), (3, None), (None, None), (3, True), (3, False)])
+def test_dense_attention_matches_ref(paged_case, splits, fold, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=12)
     q = torch.randn(len(_ROWS), 4 * HKV, D, generator=torch.Generator().manual_seed(13))
@@ -200,7 +241,7 @@ def test_dense_attention_matches_ref(paged_case, splits, fold, prefetch, nan_poi
                                          case.positions, 0.25)
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
-                                     0.25, out=out, num_splits=splits, fold_merge=fold, prefetch=prefetch)
+                                     0.25, out=out, num_splits=splits, fold_merge=fold)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
 
