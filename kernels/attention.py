@@ -88,7 +88,7 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPARSE: tl.constexpr,
                         ONE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRELOAD: tl.constexpr,
                         PAGE_IDS: tl.constexpr, FOLD_MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-                        PDL: tl.constexpr):
+                        SWAP: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -119,7 +119,10 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
         count = p // PS + 1
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    if SWAP:
+        acc = tl.zeros([D, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
     bid_row = bid_ptr + n * bid_st_n + kvh * bid_st_h
     pid_row = pid_ptr + n * bid_st_n + kvh * bid_st_h
     pt_row = pt_ptr + req * pt_st_r
@@ -142,22 +145,12 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
         tok = (i % SUB) * BLOCK_N + t
         k = tl.load(kc_ptr + page * kc_st_p + tok[:, None] * kc_st_o + kvh * kc_st_h + d[None, :])
         v = tl.load(vc_ptr + page * vc_st_p + tok[:, None] * vc_st_o + kvh * vc_st_h + d[None, :])
-        if DOT_FP32:
-            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        if SWAP:
+            m_i, l_i, acc = _tile_keys_major(q, k, v, (b * PS + tok) <= p, m_i, l_i, acc, qk_scale_log2, DOT_FP32)
         else:
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)))
-        qk = tl.where((b * PS + tok)[None, :] <= p, qk * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-        # a tile past the position (an own block's tail) can leave m at -inf: shift by 0 then, never by -inf
-        m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m_i - m_use)
-        pr = tl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
-        m_i = m_new
+            m_i, l_i, acc = _tile_heads_major(q, k, v, (b * PS + tok) <= p, m_i, l_i, acc, qk_scale_log2, DOT_FP32)
+    if SWAP:
+        acc = tl.trans(acc)
     # an empty split keeps l = 0: divide by 1 and report lse = -inf so the merge gives it no weight
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -179,6 +172,49 @@ def _decode_attn_kernel(q_ptr, kc_ptr, vc_ptr, pt_ptr, row_seq_ptr, pos_ptr, bid
                 tl.atomic_xchg(cnt, 0)
                 _merge_group(po_ptr + n * po_st_n, plse_ptr + n * pl_st_n, o_ptr + n * o_st_n, heads, g < G,
                              po_st_h, po_st_s, pl_st_h, o_st_h, num_splits, D, BLOCK_S)
+
+
+@triton.jit
+def _tile_heads_major(q, k, v, keep, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr):
+    """One K/V tile into a program's running softmax: q [BG, D], k / v [BN, D], keep [BN] (keys the row sees),
+    m_i / l_i [BG], acc [BG, D]; the heads are the products' M side (mma.sync at 16 heads)."""
+    if DOT_FP32:
+        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)))
+    qk = tl.where(keep[None, :], qk * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # a tile past the position (an own block's tail) can leave m at -inf: shift by 0 then, never by -inf
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    pr = tl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(pr, axis=1)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tile_keys_major(q, k, v, keep, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr):
+    """`_tile_heads_major` with the products swapped, S^T = K q^T and O^T += V^T P^T: the tile's keys are the M
+    side (64+ rows, where Hopper's wgmma applies; 16 heads are only N). acc [D, BG], transposed."""
+    if DOT_FP32:
+        st = tl.dot(k.to(tl.float32), tl.trans(q), input_precision="ieee")
+    else:
+        st = tl.dot(k.to(q.dtype), tl.trans(q))  # [BN, BG]
+    st = tl.where(keep[:, None], st * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, axis=0))
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - m_use)
+    pt = tl.exp2(st - m_use[None, :])
+    l_i = l_i * alpha + tl.sum(pt, axis=0)
+    if DOT_FP32:
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float32)), pt, input_precision="ieee")
+    else:
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(q.dtype)), pt.to(q.dtype))
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -238,7 +274,8 @@ ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128, "block_n_walk": 
 # 72.1). fold_merge None: the last split of a (row, KV head) merges the partials (no merge launch) up to
 # MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7 vs 30.0 us); with more splits one program would merge what the
 # merge kernel spreads over G (B=1, 16 splits: 11.9 vs 8.3 us). True/False force either.
-ATTN_OPTS = {"preload": None, "fold_merge": None}
+# swap: each tile's products as K q^T and V^T P^T (`_tile_keys_major`); untimed on the GPU so far, off
+ATTN_OPTS = {"preload": None, "fold_merge": None, "swap": False}
 MAX_FOLD_SPLITS = 4
 
 
@@ -256,12 +293,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            row_seq: torch.Tensor, positions: torch.Tensor, scale: float,
                            block_ids: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                            num_splits: int | None = None, fold_merge: bool | None = None,
-                           preload: bool | None = None, page_ids: torch.Tensor | None = None) -> torch.Tensor:
+                           preload: bool | None = None, page_ids: torch.Tensor | None = None,
+                           swap: bool | None = None) -> torch.Tensor:
     """Triton flash-decoding for rows [0, N) of its inputs (shapes as in `paged_attention_ref`); dense when
     block_ids is None. `page_ids` (sparse only, optional): the selected blocks' pages, [N, Hkv, topk] int32 with
     block_ids' strides (page_tables[row_seq[n], block_ids[n, h, i]] where that id is >= 0, anything in the -1 tail),
     so a tile's page is not looked up after its block id (-0.3 us of 6.4 at B = 1 on the H200; the engine's indexer
-    does not write them yet). `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
+    does not write them yet). `swap`: ATTN_OPTS'. `out` [N, Hq, D] may be a view (the decode suffix of a mixed
+    batch). No host syncs."""
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -324,7 +363,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         G=group, BLOCK_G=max(16, next_pow2(group)), D=d, PS=ps, BLOCK_N=block_n, TOPK=topk,
         BLOCK_TOPK=max(16, next_pow2(topk)), SPARSE=sparse, ONE_SPLIT=one, DOT_FP32=dot_fp32,
         PRELOAD=bool(pre and sparse), PAGE_IDS=page_ids is not None, FOLD_MERGE=counters is not None,
-        BLOCK_S=max(2, next_pow2(splits)), PDL=pdl, **launch, **pdl_opts)
+        BLOCK_S=max(2, next_pow2(splits)), SWAP=bool(ATTN_OPTS["swap"] if swap is None else swap), PDL=pdl,
+        **launch, **pdl_opts)
     if not one and counters is None:
         runnable(_merge_kernel, q.device)[(n, hq)](
             po, plse, out, *po_st, *pl_st, out.stride(0), out.stride(1), splits,

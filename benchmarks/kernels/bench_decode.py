@@ -167,12 +167,14 @@ def random_selection(batch, lens, gen):
     return out.cuda()
 
 
-# name -> (fold_merge, preload, page ids given) of kernels/attention.py's decode launcher, None = its default.
-# "pid": the selected blocks' page ids are an input (as if the indexer wrote them beside the block ids), not looked
-# up in the kernel
-ATTN_VARIANTS = {"default": (None, None, False), "merge": (False, None, False), "fold": (True, None, False),
-                 "no-pre": (None, False, False), "pid": (None, None, True), "merge+pid": (False, None, True),
-                 "fold+pid": (True, None, True)}
+# name -> (fold_merge, preload, page ids given, swap) of kernels/attention.py's decode launcher, None = its
+# default. "pid": the selected blocks' page ids are an input (as if the indexer wrote them beside the block ids),
+# not looked up in the kernel; "swap": the tile products as K q^T and V^T P^T
+ATTN_VARIANTS = {"default": (None, None, False, None), "merge": (False, None, False, None),
+                 "fold": (True, None, False, None), "no-pre": (None, False, False, None),
+                 "pid": (None, None, True, None), "merge+pid": (False, None, True, None),
+                 "fold+pid": (True, None, True, None), "swap": (None, None, False, True),
+                 "swap+pid": (None, None, True, True)}
 
 
 def bench_attention(kind, batch, length, gen, log):
@@ -195,22 +197,23 @@ def bench_attention(kind, batch, length, gen, log):
     scale = D ** -0.5
     want = attention.paged_attention_ref(qs[0], kc, vc, tables[0], row_seq, pos, scale, sels[0])
 
-    def run(i, splits, fold=None, pre=None, pid=False):
+    def run(i, splits, fold=None, pre=None, pid=False, swap=None):
         return attention.paged_decode_attention(qs[i], kc, vc, tables[i], row_seq, pos, scale, sels[i],
                                                 num_splits=splits, fold_merge=fold, preload=pre,
-                                                page_ids=pids[i] if pid else None)
+                                                page_ids=pids[i] if pid else None, swap=swap)
 
     def timed(name, splits=None, cfg=None):
-        fold, pre, pid = ATTN_VARIANTS[name]
+        fold, pre, pid, swap = ATTN_VARIANTS[name]
         shipped = dict(attention.ATTN_LAUNCH)
         if cfg is not None:  # (warps, stages, key tile), the tile for every program
             attention.ATTN_LAUNCH.update(num_warps=cfg[0], num_stages=cfg[1], block_n=cfg[2], block_n_walk=cfg[2])
         entry = {"op": kind, "B": batch, "L": length, "variant": name, "splits": splits or base,
                  "launch": "default" if cfg is None else "w=%d st=%d tile=%d" % cfg}
         try:
-            a, b = run(0, splits, fold, pre, pid), run(0, splits, fold, pre, pid)
+            a, b = run(0, splits, fold, pre, pid, swap), run(0, splits, fold, pre, pid, swap)
             rel = ((a.float() - want.float()).norm() / want.float().norm()).item()
-            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre, pid) for i in range(num_sets)]),
+            entry.update(us=graph_time_us([lambda i=i: run(i, splits, fold, pre, pid, swap)
+                                           for i in range(num_sets)]),
                          rel_err=rel, correct=rel < 1e-2 and bool(torch.equal(a, b)))
         except Exception as e:
             entry.update(error=repr(e)[:300])
@@ -220,7 +223,7 @@ def bench_attention(kind, batch, length, gen, log):
         log.append(entry)
         return entry
 
-    names = list(ATTN_VARIANTS) if sparse else ["default", "merge", "fold"]
+    names = list(ATTN_VARIANTS) if sparse else ["default", "merge", "fold", "swap"]
     variants = {name: timed(name) for name in names}
     good = [e for e in variants.values() if "us" in e and e["correct"]]
     best = min(good, key=lambda e: e["us"])

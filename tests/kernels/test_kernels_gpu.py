@@ -86,17 +86,21 @@ def test_attention_gpu(paged_case, batch, length, rows_per_request):
     table = case.page_tables.long()[case.row_seq.long()]
     pages = torch.gather(table[:, None, :].expand(-1, HKV, -1), 2, block_ids.clamp(min=0).long())
     page_ids = torch.where(block_ids >= 0, pages, 10**6).to(torch.int32)  # a -1 slot's page is never read
-    for splits, fold, pre, pids in ((5, True, False, None), (None, True, True, None), (16, True, True, None),
-                                    (None, False, True, None), (None, None, None, page_ids),
-                                    (4, False, False, page_ids), (16, False, True, page_ids)):
+    for splits, fold, pre, pids, swap in ((5, True, False, None, None), (None, True, True, None, None),
+                                          (16, True, True, None, None), (None, False, True, None, None),
+                                          (None, None, None, page_ids, None), (4, False, False, page_ids, None),
+                                          (16, False, True, page_ids, None), (None, None, None, None, True),
+                                          (4, True, None, page_ids, True), (16, False, True, None, True)):
         # the merge folded into the last split is deterministic: repeated calls are bitwise equal
         got = [attention.paged_decode_attention(*args, D ** -0.5, block_ids, num_splits=splits, fold_merge=fold,
-                                                preload=pre, page_ids=pids) for _ in range(3)]
-        assert _rel(got[0], want) < 1e-2, (splits, fold, pre, pids is not None)
-        assert all(torch.equal(g, got[0]) for g in got), (splits, fold, pre, pids is not None)
+                                                preload=pre, page_ids=pids, swap=swap) for _ in range(3)]
+        cfg = (splits, fold, pre, pids is not None, swap)
+        assert _rel(got[0], want) < 1e-2, cfg
+        assert all(torch.equal(g, got[0]) for g in got), cfg
     want = attention.paged_attention_ref(*args, D ** -0.5)
     assert _rel(attention.dense_attention(*args, D ** -0.5), want) < 1e-2
     assert _rel(attention.paged_decode_attention(*args, D ** -0.5, fold_merge=True, num_splits=7), want) < 1e-2
+    assert _rel(attention.paged_decode_attention(*args, D ** -0.5, num_splits=7, swap=True), want) < 1e-2
     # mixed batch: the first row goes through the prefill kernel (a one-token chunk), the rest the decode kernel
     assert _rel(attention.dense_attention(*args, D ** -0.5, num_prefill_rows=1), want) < 1e-2
 

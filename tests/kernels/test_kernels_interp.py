@@ -173,10 +173,12 @@ def _page_ids(block_ids, page_tables, row_seq, tail=10**6):
     return torch.where(block_ids >= 0, pages, tail).to(torch.int32)
 
 
-@pytest.mark.parametrize("fold,preload,pages", [(None, None, False), (True, False, False), (False, True, False),
-                                                 (True, True, False), (False, False, True), (None, True, True)])
+@pytest.mark.parametrize("fold,preload,pages,swap", [(None, None, False, False), (True, False, False, False),
+                                                      (False, True, False, False), (True, True, False, False),
+                                                      (False, False, True, False), (None, True, True, False),
+                                                      (None, None, False, True), (True, False, True, True)])
 @pytest.mark.parametrize("splits", [1, 4, None])
-def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, pages, nan_poison):
+def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold, preload, pages, swap, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=10)
     gen = torch.Generator().manual_seed(11)
@@ -189,7 +191,8 @@ def test_sparse_attention_matches_ref_with_empty_splits(paged_case, splits, fold
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
                                      0.3, block_ids, out=out, num_splits=splits, fold_merge=fold, preload=preload,
-                                     page_ids=_page_ids(block_ids, case.page_tables, case.row_seq) if pages else None)
+                                     page_ids=_page_ids(block_ids, case.page_tables, case.row_seq) if pages else None,
+                                     swap=swap)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
     from kernels._triton import _ARRIVAL_COUNTERS
@@ -232,8 +235,9 @@ def test_sparse_programs_walking_several_blocks_take_the_walk_tile(paged_case, m
         assert _rel(got, want) < 1e-5, splits
 
 
-@pytest.mark.parametrize("splits,fold", [(1, None), (3, None), (None, None), (3, True), (3, False)])
-def test_dense_attention_matches_ref(paged_case, splits, fold, nan_poison):
+@pytest.mark.parametrize("splits,fold,swap", [(1, None, False), (3, None, False), (None, None, False),
+                                              (3, True, False), (3, False, False), (1, None, True), (3, None, True)])
+def test_dense_attention_matches_ref(paged_case, splits, fold, swap, nan_poison):
     poison_, assert_all_written = nan_poison
     case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=12)
     q = torch.randn(len(_ROWS), 4 * HKV, D, generator=torch.Generator().manual_seed(13))
@@ -241,7 +245,7 @@ def test_dense_attention_matches_ref(paged_case, splits, fold, nan_poison):
                                          case.positions, 0.25)
     out = poison_(torch.empty_like(q))
     attention.paged_decode_attention(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq, case.positions,
-                                     0.25, out=out, num_splits=splits, fold_merge=fold)
+                                     0.25, out=out, num_splits=splits, fold_merge=fold, swap=swap)
     assert_all_written(out)
     assert _rel(out, want) < 1e-5
 
