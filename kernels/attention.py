@@ -13,7 +13,9 @@ Decode path (Triton): `_decode_attn_kernel` runs flash-decoding on a grid (decod
 program holds the G query heads of one KV group (they share every K/V tile, so a tile is read once for the group)
 and walks its share of the row's blocks: for sparse layers the selected ids i = s, s + S, ... of
 block_ids[row, kv_head] (ascending, -1 tail), for dense layers the blocks s, s + S, ... up to the row's own block.
-Keys past the row's position are masked token by token. With S > 1 each split leaves a normalised partial and
+Keys past the row's position are masked token by token. A tile enters the program's online softmax with the
+heads as the products' M side (`_tile_heads_major`) or, as an option, the keys (`_tile_keys_major`: K q^T and
+V^T P^T, which Hopper runs on wgmma). With S > 1 each split leaves a normalised partial and
 its log-sum-exp, combined (a split with no block leaves lse = -inf and weighs nothing) either by `_merge_kernel`
 or, for a few splits, by the last program of the (row, KV head) to finish (an atomic arrival counter that the
 merging program resets), which saves the merge launch. With S = 1 the kernel writes the output directly.
