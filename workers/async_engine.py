@@ -37,12 +37,9 @@ from workers.engine_api import EngineAPI
 from workers.kv.connector import KVTransferFailed
 from workers.request import RequestOutput, SamplingParams
 from workers.stats import EngineStats, RequestStats, StepStats, TransferStats
+from workers.step_thread import StepPlacement
 
 TRANSFER_POLL_S = 0.02
-# CPU ids the step thread pins itself to ("15" or "14-15,30"): its host work then never shares a core (or, with
-# the core's SMT sibling listed and kept free of other work, a physical core) with the ingress, the proxy or a
-# client on the same host. Unset: the OS places it.
-STEP_CPUS_ENV = "M3SERVE_STEP_CPUS"
 _KEEP_FAILURES = 1024
 TIMELINE_STEPS = 20_000  # steps kept for `debug_timeline` (minutes of decode at ~10 ms a step)
 # One `debug_timeline` step record. start/end: time.time() around `Engine.step` (wall clock, to line up with other
@@ -95,7 +92,7 @@ def _put_pairs(pairs: list[tuple[asyncio.Queue, object]]) -> None:
 
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], EngineAPI] | EngineAPI) -> None:
-        self._step_cpus = step_cpus(os.environ.get(STEP_CPUS_ENV))  # first: a bad value fails before the load
+        self._placement = StepPlacement.from_env()  # first: a bad value fails before the load
         self.engine = engine_factory if isinstance(engine_factory, EngineAPI) else engine_factory()
         self.max_waiting = self.engine.engine_config.max_waiting
         self._lock = threading.Lock()  # guards the inbox, the streams and the published stats
@@ -311,8 +308,7 @@ class AsyncEngine:
     def _run(self) -> None:
         idle_s = inbox_s = publish_s = 0.0  # loop time since the last recorded step (the timeline's gaps)
         try:
-            if self._step_cpus:
-                os.sched_setaffinity(0, self._step_cpus)  # this thread's affinity (Linux: per thread)
+            self._placement.apply()  # M3SERVE_STEP_CPUS / M3SERVE_STEP_NICE, this thread only
             while True:
                 with self._lock:
                     idle = not self._inbox and not self._stopping
@@ -513,29 +509,3 @@ def _snapshot(ring: deque) -> list:
         except RuntimeError:
             continue
     return []
-
-
-def parse_cpus(spec: str) -> set[int]:
-    """"14-15,30" -> {14, 15, 30} (the cpuset list format); ValueError names a malformed part."""
-    cpus: set[int] = set()
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        lo, dash, hi = part.partition("-")
-        try:
-            first, last = int(lo), int(hi if dash else lo)
-        except ValueError:
-            raise ValueError(f"{STEP_CPUS_ENV}: {part!r} is not a CPU id or range") from None
-        if first < 0 or last < first:
-            raise ValueError(f"{STEP_CPUS_ENV}: {part!r} is not a CPU id or range")
-        cpus.update(range(first, last + 1))
-    return cpus
-
-
-def step_cpus(spec: str | None) -> set[int] | None:
-    """The CPUs of `spec` for the step thread (None: unset), checked against this host's CPUs."""
-    if not spec:
-        return None
-    cpus = parse_cpus(spec)
-    have = os.cpu_count() or 1
-    if not cpus or max(cpus) >= have:
-        raise ValueError(f"{STEP_CPUS_ENV}={spec!r}: this host has CPUs 0-{have - 1}")
-    return cpus

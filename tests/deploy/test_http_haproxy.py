@@ -19,7 +19,8 @@ import pytest
 from deploy import http_front
 from deploy.http_front import (HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range, free_ports, local_ray_env,
                                 resolve_proxy)
-from tests.deploy.procs import listener
+from tests.deploy.procs import command_line, descendants, listener, may_lower_niceness, thread_name, thread_niceness
+from workers.step_thread import STEP_THREAD_NAME
 from tests.deploy.test_drain import GRACE_S, check_sigterm_drain
 from tests.deploy.test_metrics_api_e2e import _Server
 
@@ -45,8 +46,9 @@ def _wait_metric(base: str, name: str, want: float, timeout_s: float = 30.0, **l
 
 
 def test_local_env_names_haproxy_files_in_the_given_directory(tmp_path):
-    assert local_ray_env("serve", None) == {}
+    assert local_ray_env("serve", None) == {"RAY_worker_niceness": "0"}  # replicas not behind niceness-0 work
     env = local_ray_env("haproxy", tmp_path)
+    assert env["RAY_worker_niceness"] == "0"
     assert {k: env[k] for k in HAPROXY_SWITCHES} == HAPROXY_SWITCHES
     paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
     assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
@@ -93,6 +95,17 @@ def server(tmp_path_factory):
 def test_the_api_port_is_haproxys(server):
     _, name = listener(server.port)
     assert name == "haproxy", name
+
+
+def test_the_engine_step_thread_leaves_rays_worker_niceness(server):
+    """Ray starts the engine replica at niceness 15; its step thread (workers/step_thread.py) sets itself to 0,
+    where this user may lower a niceness (the check below asks the kernel), and only that thread moves."""
+    steps = [(pid, tid, nice) for pid in descendants(server.proc.pid) if "EngineServer" in command_line(pid)
+             for tid, nice in thread_niceness(pid).items() if thread_name(pid, tid) == STEP_THREAD_NAME]
+    assert len(steps) == 1, steps  # one engine replica, one step thread
+    pid, tid, nice = steps[0]
+    assert thread_niceness(pid)[pid] == 15  # the replica's main thread: Ray's worker niceness
+    assert nice == (0 if may_lower_niceness() else 15)
 
 
 def test_openai_client_through_haproxy(server):
