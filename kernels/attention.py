@@ -301,8 +301,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_ids is None. `page_ids` (sparse only, optional): the selected blocks' pages, [N, Hkv, topk] int32 with
     block_ids' strides (page_tables[row_seq[n], block_ids[n, h, i]] where that id is >= 0, anything in the -1 tail),
     so a tile's page is not looked up after its block id (-0.3 us of 6.4 at B = 1 on the H200; the engine's indexer
-    does not write them yet). `swap`: ATTN_OPTS'. `out` [N, Hq, D] may be a view (the decode suffix of a mixed
-    batch). No host syncs."""
+    does not write them yet). `swap` None: ATTN_OPTS["swap"]. `out` [N, Hq, D] may be a view (the decode suffix
+    of a mixed batch). No host syncs."""
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:

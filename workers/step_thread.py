@@ -47,7 +47,7 @@ class StepPlacement:
         _name_this_thread(STEP_THREAD_NAME)
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)
-        if self.nice is None or not hasattr(os, "setpriority"):
+        if self.nice is None or not sys.platform.startswith("linux"):  # elsewhere a thread id is no pid
             return
         tid = threading.get_native_id()
         before = os.getpriority(os.PRIO_PROCESS, tid)
