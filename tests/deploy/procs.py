@@ -68,11 +68,12 @@ def may_lower_niceness() -> bool:
 
     got: list[bool] = []
 
-    def probe():
+    def probe():  # raise this thread's niceness by one (always allowed), then try to undo it
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, 1)
+        mine = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(mine + 1, 19))
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, 0)
+            os.setpriority(os.PRIO_PROCESS, tid, mine)
             got.append(True)
         except PermissionError:
             got.append(False)

@@ -104,8 +104,9 @@ def test_the_engine_step_thread_leaves_rays_worker_niceness(server):
              for tid, nice in thread_niceness(pid).items() if thread_name(pid, tid) == STEP_THREAD_NAME]
     assert len(steps) == 1, steps  # one engine replica, one step thread
     pid, tid, nice = steps[0]
-    assert thread_niceness(pid)[pid] == 15  # the replica's main thread: Ray's worker niceness
-    assert nice == (0 if may_lower_niceness() else 15)
+    rays = thread_niceness(pid)[pid]  # the replica's main thread: Ray's worker niceness (15 unless told)
+    assert rays > 0
+    assert nice == (0 if may_lower_niceness() else rays)
 
 
 def test_openai_client_through_haproxy(server):
