@@ -20,9 +20,9 @@ from deploy import http_front
 from deploy.http_front import (HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range, free_ports, local_ray_env,
                                 resolve_proxy)
 from tests.deploy.procs import command_line, descendants, listener, may_lower_niceness, thread_name, thread_niceness
-from workers.step_thread import STEP_THREAD_NAME
 from tests.deploy.test_drain import GRACE_S, check_sigterm_drain
 from tests.deploy.test_metrics_api_e2e import _Server
+from workers.step_thread import STEP_THREAD_NAME
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 HANG_UPS = 2
@@ -46,9 +46,8 @@ def _wait_metric(base: str, name: str, want: float, timeout_s: float = 30.0, **l
 
 
 def test_local_env_names_haproxy_files_in_the_given_directory(tmp_path):
-    assert local_ray_env("serve", None) == {"RAY_worker_niceness": "0"}  # replicas not behind niceness-0 work
+    assert local_ray_env("serve", None) == {}
     env = local_ray_env("haproxy", tmp_path)
-    assert env["RAY_worker_niceness"] == "0"
     assert {k: env[k] for k in HAPROXY_SWITCHES} == HAPROXY_SWITCHES
     paths = [v for k, v in env.items() if k.endswith(("_LOC", "_PATH", "_BASE", "_FILE"))]
     assert len(paths) == 5 and all(p.startswith(str(tmp_path)) for p in paths)
