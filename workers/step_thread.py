@@ -6,11 +6,14 @@ per thread, so the engine replica's other threads are untouched):
 
 - `M3SERVE_STEP_CPUS` ("15", "14-15,30"; unset: the OS places it): the CPUs it pins itself to, so its work never
   shares a core with the ingress, the proxy or a client on the same host.
-- `M3SERVE_STEP_NICE` (-20..19, default 0; "inherit" leaves it): its scheduling niceness. Ray runs each worker
+- `M3SERVE_STEP_NICE` (-20..19; unset or "inherit": leave it): its scheduling niceness. Ray runs each worker
   process's main thread, and the threads it starts, at niceness 15 (its `worker_niceness`: the control plane
-  first); a step thread at 15 gets about 3% of a CPU while a niceness-0 task runs there (scheduler weights 36
-  against 1024), and the load balancer counts it as almost no load. Lowering a thread's niceness needs
-  CAP_SYS_NICE (root outside most containers); without it the thread keeps its niceness and says so once.
+  first), the step thread among them; at 15 it gets about 3% of a CPU while a niceness-0 task runs there
+  (scheduler weights 36 against 1024), and the load balancer counts it as almost no load. 0 puts it level with the
+  in-process engine. Opt-in until timed on the GPU: on 2 loaded cores a step thread at 0 can starve the replica's
+  event loop (still at 15), which then publishes tokens in bursts (docs/benchmarks.md S8). Lowering a thread's
+  niceness needs CAP_SYS_NICE (root outside most containers); without it the thread keeps its niceness and says
+  so once.
 
 The thread also takes the OS name `STEP_THREAD_NAME` (Linux `prctl`), so `top -H`, py-spy and the tests find it.
 """
@@ -29,7 +32,7 @@ logger = logging.getLogger("m3serve.engine")
 STEP_THREAD_NAME = "engine-step"  # the OS's 15-character thread name
 STEP_CPUS_ENV = "M3SERVE_STEP_CPUS"
 STEP_NICE_ENV = "M3SERVE_STEP_NICE"
-DEFAULT_NICE = 0
+DEFAULT_NICE = None  # inherit
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,9 @@ def step_cpus(spec: str | None) -> frozenset[int] | None:
 
 
 def step_niceness(spec: str | None) -> int | None:
-    """The step thread's niceness from `spec`: unset or empty -> DEFAULT_NICE, "inherit" -> None (leave it)."""
-    if spec is None or not spec.strip():
+    """The step thread's niceness from `spec`: unset, empty or "inherit" -> DEFAULT_NICE (None: leave it)."""
+    if spec is None or not spec.strip() or spec.strip() == "inherit":
         return DEFAULT_NICE
-    if spec.strip() == "inherit":
-        return None
     try:
         nice = int(spec)
     except ValueError:

@@ -22,7 +22,7 @@ from deploy.http_front import (HAPROXY_SWITCHES, HTTP_PROXIES, _ephemeral_range,
 from tests.deploy.procs import command_line, descendants, listener, may_lower_niceness, thread_name, thread_niceness
 from tests.deploy.test_drain import GRACE_S, check_sigterm_drain
 from tests.deploy.test_metrics_api_e2e import _Server
-from workers.step_thread import STEP_THREAD_NAME
+from workers.step_thread import STEP_NICE_ENV, STEP_THREAD_NAME
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 HANG_UPS = 2
@@ -83,7 +83,8 @@ def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = _Server(tmp_path_factory.mktemp("haproxy"), "--http-proxy", "haproxy", "--drain-grace", str(GRACE_S))
+    server = _Server(tmp_path_factory.mktemp("haproxy"), "--http-proxy", "haproxy", "--drain-grace", str(GRACE_S),
+                     env={STEP_NICE_ENV: "0"})  # the engine replicas' environment: the local Ray inherits it
     try:
         server.wait_ready()
         yield server
@@ -97,8 +98,9 @@ def test_the_api_port_is_haproxys(server):
 
 
 def test_the_engine_step_thread_leaves_rays_worker_niceness(server):
-    """Ray starts the engine replica at niceness 15; its step thread (workers/step_thread.py) sets itself to 0,
-    where this user may lower a niceness (the check below asks the kernel), and only that thread moves."""
+    """Ray starts the engine replica at niceness 15; with M3SERVE_STEP_NICE=0 in its environment (this server's)
+    its step thread (workers/step_thread.py) sets itself to 0, where this user may lower a niceness (the check
+    below asks the kernel), and only that thread moves."""
     steps = [(pid, tid, nice) for pid in descendants(server.proc.pid) if "EngineServer" in command_line(pid)
              for tid, nice in thread_niceness(pid).items() if thread_name(pid, tid) == STEP_THREAD_NAME]
     assert len(steps) == 1, steps  # one engine replica, one step thread

@@ -34,11 +34,11 @@ ABORTS = 2  # each asks for the whole context, so it still runs when the client 
 class _Server:
     """`m3serve serve ARGS` in its own session; stopped with SIGINT (the CLI's graceful path), then killed."""
 
-    def __init__(self, tmp: Path, *args: str) -> None:
+    def __init__(self, tmp: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port, self.metrics_port = free_ports(2)
         env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_USAGE_STATS_ENABLED": "0",
                "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:9/", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-               "RAY_AUTH_MODE": "disabled"}
+               "RAY_AUTH_MODE": "disabled", **(env or {})}
         self.log_path = tmp / "serve.log"
         self.log = open(self.log_path, "wb")
         cli = Path(sys.executable).parent / "m3serve"

@@ -245,17 +245,17 @@ def _nice_after(start: int, placement) -> int:
 
 
 def test_step_thread_leaves_rays_worker_niceness_where_it_may(caplog):
-    """Ray starts its workers at niceness 15; the step thread goes to 0 by default (M3SERVE_STEP_NICE), stays
-    where it was with "inherit", and where lowering a niceness is not permitted it stays and says why."""
+    """Ray starts its workers at niceness 15; the step thread keeps it by default, goes where M3SERVE_STEP_NICE
+    says, and where lowering a niceness is not permitted it stays and says why."""
     from workers.step_thread import StepPlacement, step_niceness
 
-    assert [step_niceness(v) for v in (None, "", " 0", "7", "-3", "inherit")] == [0, 0, 0, 7, -3, None]
-    assert _nice_after(15, StepPlacement(nice=None)) == 15
+    assert [step_niceness(v) for v in (None, "", " 0", "7", "-3", "inherit")] == [None, None, 0, 7, -3, None]
+    assert _nice_after(15, StepPlacement()) == 15
     assert _nice_after(15, StepPlacement(nice=19)) == 19
     # may this process lower a niceness? (root with CAP_SYS_NICE: yes; an unprivileged CI user: no)
     privileged = _nice_after(15, StepPlacement(nice=14)) == 14
     with caplog.at_level(logging.WARNING, logger="m3serve.engine"):
-        got = _nice_after(15, StepPlacement())
+        got = _nice_after(15, StepPlacement(nice=0))
     if privileged:
         assert got == 0 and "niceness" not in caplog.text
     else:
