@@ -29,7 +29,7 @@ import triton.language as tl
 from kernels._paged import gather_context, prefill_layout, request_rows
 from kernels._triton import (arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, step_jit,
                              use_triton)
-from kernels.prefill_attention import prefill_attention
+from kernels.prefill_attention import _softmax_update, prefill_attention
 from kernels.prefill_sparse_split import prefill_sparse_split, use_block_major
 
 
@@ -185,17 +185,7 @@ def _tile_heads_major(q, k, v, keep, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.
     else:
         qk = tl.dot(q, tl.trans(k.to(q.dtype)))
     qk = tl.where(keep[None, :], qk * qk_scale_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-    # a tile past the position (an own block's tail) can leave m at -inf: shift by 0 then, never by -inf
-    m_use = tl.where(m_new > float("-inf"), m_new, 0.0)
-    alpha = tl.exp2(m_i - m_use)
-    pr = tl.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(pr, axis=1)
-    if DOT_FP32:
-        acc = acc * alpha[:, None] + tl.dot(pr, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(pr.to(q.dtype), v.to(q.dtype))
-    return m_new, l_i, acc
+    return _softmax_update(qk, v.to(q.dtype), m_i, l_i, acc, DOT_FP32)  # the prefill kernels' update
 
 
 @triton.jit
