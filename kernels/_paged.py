@@ -21,6 +21,18 @@ def gather_context(cache: torch.Tensor, page_table_row: torch.Tensor, num_tokens
     return cache.index_select(0, pages).reshape(n_pages * ps, *cache.shape[2:])[:num_tokens]
 
 
+def gather_row_contexts(cache: torch.Tensor, page_tables: torch.Tensor, row_seq: torch.Tensor,
+                        num_tokens: int) -> torch.Tensor:
+    """The first `num_tokens` tokens of every row's request at once -> [N, num_tokens, ...] (rows whose request is
+    shorter get whatever its table holds past its end, entries clamped into the cache: callers mask them)."""
+    ps = cache.shape[1]
+    n_pages = -(-num_tokens // ps)
+    pages = page_tables.index_select(0, row_seq.to(torch.long))[:, :n_pages].to(torch.long)
+    pages = pages.clamp(0, cache.shape[0] - 1)
+    rows = cache.index_select(0, pages.flatten())
+    return rows.reshape(row_seq.shape[0], n_pages * ps, *cache.shape[2:])[:, :num_tokens]
+
+
 def prefill_layout(row_seq: torch.Tensor, num_prefill_rows: int) -> tuple[torch.Tensor, int, int]:
     """(query_start_loc [R + 1] int32 on row_seq's device, R, longest request's rows) of the prompt rows
     [0, num_prefill_rows), derived on the host (one sync: for direct callers and tests; the model passes its

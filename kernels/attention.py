@@ -2,7 +2,9 @@
 
 The launchers route a step's rows: prompt rows to the prefill kernel `prompt_kind` picks (dense or token-major sparse
 in kernels/prefill_attention.py, block-major sparse in kernels/prefill_sparse_split.py), decode rows (the batch
-suffix) to the decode kernel here; `paged_attention_ref` is the torch reference of all (tests only).
+suffix) to the decode kernel here; `paged_attention_ref` is the torch reference of all. Off CUDA the
+launchers' default is the CPU serving path: prompt rows by the reference, decode rows all at once in torch
+(`paged_decode_attention_torch`, masked SDPA; no library takes paged MSA selections).
 
 Each row is one query token at absolute position p of request `row_seq[row]`; it sees that request's keys
 j <= p (token-level causal mask), read from the paged caches through `page_tables`. For sparse layers it sees
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import gather_context, prefill_layout, request_rows
+from kernels._paged import gather_context, gather_row_contexts, prefill_layout, request_rows
 from kernels._triton import (arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, step_jit,
                              use_triton)
 from kernels.prefill_attention import _softmax_update, prefill_attention
@@ -56,6 +58,31 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = torch.softmax(scores, dim=-1)
         out[rows] = torch.einsum("nhl,lhd->nhd", probs, v.repeat_interleave(group, dim=1)).to(q.dtype)
     return out
+
+
+def paged_decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 page_tables: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor,
+                                 scale: float, block_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU serving path for decode rows: `paged_attention_ref`'s result for rows that each stand alone (shapes
+    as there), every row at once: one gather of the rows' contexts up to the longest, one masked SDPA (the
+    reference loops over requests, ~0.2 ms of small ops each per layer on the CPU: a tiny-model step at 16
+    streams was ~40% attention). One host sync (the longest row)."""
+    n, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    if n == 0:
+        return torch.empty_like(q)
+    pos = positions.to(torch.long)
+    ctx = int(pos.max()) + 1
+    k = gather_row_contexts(k_cache, page_tables, row_seq, ctx).float().transpose(1, 2)  # [N, Hkv, L, D]
+    v = gather_row_contexts(v_cache, page_tables, row_seq, ctx).float().transpose(1, 2)
+    allowed = (torch.arange(ctx, device=q.device)[None, :] <= pos[:, None])[:, None, :]  # [N, 1, L]
+    if block_ids is not None:
+        allowed = allowed & _selected_keys(block_ids, ctx, ps)  # [N, Hkv, L]
+    # [N, Hkv or 1, L] -> [N, Hq or 1, 1, L]: query head h reads KV head h // group
+    mask = allowed.repeat_interleave(hq // hkv, dim=1) if allowed.shape[1] > 1 else allowed
+    out = torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None, :], k, v, attn_mask=mask[:, :, None],
+                                                           scale=scale, enable_gqa=True)
+    return out[:, :, 0].to(q.dtype)
 
 
 def _selected_keys(block_ids: torch.Tensor, ctx: int, ps: int) -> torch.Tensor:
@@ -395,9 +422,11 @@ def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_id
            num_splits, prefill):
     if not 0 <= num_prefill_rows <= q.shape[0]:
         raise ValueError(f"attention: num_prefill_rows {num_prefill_rows} outside [0, {q.shape[0]}]")
-    if not use_triton(q.device, backend):
-        return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids)
     npf = num_prefill_rows
+    if not use_triton(q.device, backend):
+        if backend == "ref":
+            return paged_attention_ref(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids)
+        return _torch_route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, npf)
     out = torch.empty_like(q)
     if npf:
         qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)
@@ -406,6 +435,20 @@ def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_id
                          max_len=max_len, out=out[:npf])
     paged_decode_attention(q[npf:], k_cache, v_cache, page_tables, row_seq[npf:], positions[npf:], scale,
                            None if block_ids is None else block_ids[npf:], out=out[npf:], num_splits=num_splits)
+    return out
+
+
+def _torch_route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, npf):
+    """Off CUDA by default: prompt rows by the reference (a few requests of many rows: its loop is cheap there),
+    decode rows by `paged_decode_attention_torch`."""
+    out = torch.empty_like(q)
+    sl = slice(None, npf)
+    if npf:
+        out[sl] = paged_attention_ref(q[sl], k_cache, v_cache, page_tables, row_seq[sl], positions[sl], scale,
+                                      None if block_ids is None else block_ids[sl])
+    sl = slice(npf, None)
+    out[sl] = paged_decode_attention_torch(q[sl], k_cache, v_cache, page_tables, row_seq[sl], positions[sl], scale,
+                                           None if block_ids is None else block_ids[sl])
     return out
 
 
@@ -418,7 +461,8 @@ def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale,
     interpreter), rows [0, num_prefill_rows) (prompt chunks) take a prefill kernel (`prompt_attention`)
     and rows [num_prefill_rows, N) (decode rows, the batch suffix) the decode kernel; both spans are views, nothing
     is copied. `prefill` = (query_start_loc [R + 1] int32 device, R, longest chunk) of the prompt rows, as the
-    model's metadata holds it; None derives it from row_seq (one host sync). "ref": the torch reference for all.
+    model's metadata holds it; None derives it from row_seq (one host sync). None off CUDA: the CPU serving path
+    (`_torch_route`); "ref": the torch reference for all rows.
     """
     _check(q, k_cache, v_cache, row_seq, positions, None)
     return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, None, num_prefill_rows, backend,

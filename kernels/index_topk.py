@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged import gather_context, prefill_layout, request_rows
+from kernels._paged import gather_context, gather_row_contexts, prefill_layout, request_rows
 from kernels._triton import (arrival_counters, next_pow2, num_sms, pdl_enter, pdl_launch, runnable, step_jit,
                              use_triton)
 from kernels.prefill_index import prefill_index_topk
@@ -52,6 +52,29 @@ def index_topk_ref(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables
         block_scores = block_scores.masked_fill(local[:, None, :], float("inf"))
         out[rows] = select_topk_blocks(block_scores, topk)
     return out
+
+
+def index_topk_decode_torch(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
+                            row_seq: torch.Tensor, positions: torch.Tensor, topk: int,
+                            local_blocks: int) -> torch.Tensor:
+    """The CPU serving path for decode rows: `index_topk_ref`'s selection for rows that each stand alone (shapes
+    as there), every row at once (one gather up to the longest row, one einsum; the reference loops over
+    requests). Blocks past a row's own are -inf, hence never chosen: the same ids as the reference's narrower
+    per-request scores. One host sync."""
+    n, hi, _ = q_idx.shape
+    ps = index_k_cache.shape[1]
+    if n == 0:
+        return torch.empty((0, hi, topk), dtype=torch.int32, device=q_idx.device)
+    pos = positions.to(torch.long)
+    nb = int(pos.max()) // ps + 1
+    keys = gather_row_contexts(index_k_cache, page_tables, row_seq, nb * ps).float()  # [N, nb * ps, Di]
+    scores = torch.einsum("nhd,nld->nhl", q_idx.float(), keys)
+    future = torch.arange(nb * ps, device=q_idx.device)[None, :] > pos[:, None]  # [N, L]
+    block_scores = scores.masked_fill(future[:, None, :], float("-inf")).view(n, hi, nb, ps).amax(-1)
+    own = pos // ps
+    blocks = torch.arange(nb, device=q_idx.device)
+    local = (blocks[None, :] >= (own - local_blocks + 1)[:, None]) & (blocks[None, :] <= own[:, None])
+    return select_topk_blocks(block_scores.masked_fill(local[:, None, :], float("inf")), topk)
 
 
 def select_topk_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -318,12 +341,19 @@ def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: to
     "triton" forces it, on CPU through the interpreter), rows [0, num_prefill_rows) (prompt chunks) take the
     prefill indexer (kernels/prefill_index.py) and rows [num_prefill_rows, N) (decode rows, the batch suffix) the
     decode kernels here. Both spans are views of the inputs and of the output: nothing is copied. `prefill` as in
-    kernels.attention.dense_attention (None: derived from row_seq, one host sync)."""
+    kernels.attention.dense_attention (None: derived from row_seq, one host sync). None off CUDA: prompt rows by
+    the reference, decode rows by `index_topk_decode_torch` (the same ids); "ref": the reference for all rows."""
     _check(q_idx, index_k_cache, page_tables, row_seq, positions, topk, num_prefill_rows)
-    if not use_triton(q_idx.device, backend):
-        return index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
     n, hi, _ = q_idx.shape
     npf = num_prefill_rows
+    if not use_triton(q_idx.device, backend):
+        if backend == "ref":
+            return index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
+        # off CUDA by default: prompt rows by the reference, decode rows all at once
+        return torch.cat([index_topk_ref(q_idx[:npf], index_k_cache, page_tables, row_seq[:npf], positions[:npf],
+                                         topk, local_blocks),
+                          index_topk_decode_torch(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:],
+                                                  positions[npf:], topk, local_blocks)])
     out = torch.empty((n, hi, topk), dtype=torch.int32, device=q_idx.device)
     if npf:
         qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)

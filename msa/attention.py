@@ -34,7 +34,8 @@ class M3Attention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype, device=device)
         self.indexer = Indexer(config, ctx, dtype=dtype, device=device) if config.is_sparse(layer_idx) else None
         self.scale = d ** -0.5
-        # None: the Triton kernels on CUDA, the torch references elsewhere; "triton" / "ref" force one (the
+        # None: the Triton kernels on CUDA, the CPU serving path elsewhere (decode rows batched in torch, prompt
+        # rows by the references: kernels/attention.py); "triton" / "ref" force one (the
         # engine's `attention_backend`; tests force Triton on CPU through the interpreter)
         self.backend: str | None = None
 

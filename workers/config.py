@@ -59,7 +59,8 @@ class EngineConfig:
     # equals eager on 2 GPUs (issue 24; tests/workers/test_cuda_graph_multigpu.py). ep > 1 captures only with
     # the capacity MoE dispatch (no host read in the forward), and with tp > 1 needs this flag too.
     cuda_graph_tp: bool = False
-    # attention and indexer kernels: "auto" = Triton on CUDA, the torch references on CPU; "triton" forces the
+    # attention and indexer kernels: "auto" = Triton on CUDA; on CPU decode rows batched in torch, prompt rows by
+    # the torch references (kernels/attention.py's `_torch_route`); "triton" forces the
     # kernels (on CPU through the Triton interpreter: TRITON_INTERPRET=1 before triton is imported; tests),
     # "ref" the torch references (a check on a GPU; never for serving: they allocate [T, heads, context])
     attention_backend: Literal["auto", "triton", "ref"] = "auto"
