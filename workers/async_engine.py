@@ -93,6 +93,7 @@ def _put_pairs(pairs: list[tuple[asyncio.Queue, object]]) -> None:
 class AsyncEngine:
     def __init__(self, engine_factory: Callable[[], EngineAPI] | EngineAPI) -> None:
         self._placement = StepPlacement.from_env()  # first: a bad value fails before the load
+        self._caller_threads: set[int] = set()  # the submitting threads whose niceness is set (event loops)
         self.engine = engine_factory if isinstance(engine_factory, EngineAPI) else engine_factory()
         self.max_waiting = self.engine.engine_config.max_waiting
         self._lock = threading.Lock()  # guards the inbox, the streams and the published stats
@@ -155,7 +156,7 @@ class AsyncEngine:
                 prompt: str | None, handoff: tuple[str, str | None] | None = None) -> _Stream:
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = self._open_stream()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -168,6 +169,12 @@ class AsyncEngine:
             self._inbox.append(("add", request_id, prompt_token_ids, params, prompt, handoff))
         self._wake.set()
         return stream
+
+    def _open_stream(self) -> _Stream:
+        """A stream on the calling loop, whose thread takes the step thread's niceness (M3SERVE_STEP_NICE): it
+        is the thread that publishes the tokens."""
+        self._placement.apply_to_caller(self._caller_threads)
+        return _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -199,7 +206,7 @@ class AsyncEngine:
         same; it is what a request admitted with `first_from_kv=False` starts from); None: not known yet (the
         stream opened before the prefill ran), the KV header brings it."""
         self._check_alive()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = self._open_stream()
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")

@@ -6,14 +6,15 @@ per thread, so the engine replica's other threads are untouched):
 
 - `M3SERVE_STEP_CPUS` ("15", "14-15,30"; unset: the OS places it): the CPUs it pins itself to, so its work never
   shares a core with the ingress, the proxy or a client on the same host.
-- `M3SERVE_STEP_NICE` (-20..19; unset or "inherit": leave it): its scheduling niceness. Ray runs each worker
-  process's main thread, and the threads it starts, at niceness 15 (its `worker_niceness`: the control plane
-  first), the step thread among them; at 15 it gets about 3% of a CPU while a niceness-0 task runs there
-  (scheduler weights 36 against 1024), and the load balancer counts it as almost no load. 0 puts it level with the
-  in-process engine. Opt-in until timed on the GPU: on 2 loaded cores a step thread at 0 can starve the replica's
-  event loop (still at 15), which then publishes tokens in bursts (docs/benchmarks.md S8). Lowering a thread's
-  niceness needs CAP_SYS_NICE (root outside most containers); without it the thread keeps its niceness and says
-  so once.
+- `M3SERVE_STEP_NICE` (-20..19; unset or "inherit": leave it): its scheduling niceness, and that of each thread
+  whose event loop receives its outputs (`apply_to_caller`, once per thread: in a Serve replica the replica's
+  loop, which publishes the tokens). Ray runs each worker process's main thread, and the threads it starts, at
+  niceness 15 (its `worker_niceness`: the control plane first), the step thread among them; at 15 it gets about 3%
+  of a CPU while a niceness-0 task runs there (scheduler weights 36 against 1024), and the load balancer counts it
+  as almost no load. 0 puts it level with the in-process engine. Both threads move together: with the step thread
+  alone at 0, on 2 loaded cores it starved the loop (still at 15), which then published tokens in bursts
+  (docs/benchmarks.md S8). Opt-in until timed on the GPU. Lowering a thread's niceness needs CAP_SYS_NICE (root
+  outside most containers); without it the thread keeps its niceness and says so once.
 
 The thread also takes the OS name `STEP_THREAD_NAME` (Linux `prctl`), so `top -H`, py-spy and the tests find it.
 """
@@ -50,18 +51,30 @@ class StepPlacement:
         _name_this_thread(STEP_THREAD_NAME)
         if self.cpus:
             os.sched_setaffinity(0, self.cpus)
-        if self.nice is None or not sys.platform.startswith("linux"):  # elsewhere a thread id is no pid
-            return
+        _set_this_threads_niceness(self.nice, "engine step thread")
+
+    def apply_to_caller(self, done: set[int]) -> None:
+        """On a thread that submits requests (its event loop gets the outputs): its niceness, once per thread
+        (`done`: the native ids of the threads already set; a set lookup after the first call). Not pinned."""
         tid = threading.get_native_id()
-        before = os.getpriority(os.PRIO_PROCESS, tid)
-        if before == self.nice:
-            return
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, self.nice)  # Linux: a thread id names that thread only
-        except OSError as e:
-            logger.warning("engine step thread stays at niceness %d, not %d (%s): it runs behind any busier "
-                           "process on its CPU; give the process CAP_SYS_NICE, or start Ray with "
-                           "RAY_worker_niceness=0 (docs/operations.md)", before, self.nice, e)
+        if tid not in done:
+            done.add(tid)
+            _set_this_threads_niceness(self.nice, "engine caller's event-loop thread")
+
+
+def _set_this_threads_niceness(nice: int | None, what: str) -> None:
+    if nice is None or not sys.platform.startswith("linux"):  # elsewhere a thread id is no pid
+        return
+    tid = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, tid)
+    if before == nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)  # Linux: a thread id names that thread only
+    except OSError as e:
+        logger.warning("%s stays at niceness %d, not %d (%s): it runs behind any busier process on its CPU; "
+                       "give the process CAP_SYS_NICE, or start Ray with RAY_worker_niceness=0 "
+                       "(docs/operations.md)", what, before, nice, e)
 
 
 def _name_this_thread(name: str) -> None:

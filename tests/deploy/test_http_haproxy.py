@@ -98,16 +98,28 @@ def test_the_api_port_is_haproxys(server):
 
 
 def test_the_engine_step_thread_leaves_rays_worker_niceness(server):
-    """Ray starts the engine replica at niceness 15; with M3SERVE_STEP_NICE=0 in its environment (this server's)
-    its step thread (workers/step_thread.py) sets itself to 0, where this user may lower a niceness (the check
-    below asks the kernel), and only that thread moves."""
-    steps = [(pid, tid, nice) for pid in descendants(server.proc.pid) if "EngineServer" in command_line(pid)
-             for tid, nice in thread_niceness(pid).items() if thread_name(pid, tid) == STEP_THREAD_NAME]
-    assert len(steps) == 1, steps  # one engine replica, one step thread
-    pid, tid, nice = steps[0]
-    rays = thread_niceness(pid)[pid]  # the replica's main thread: Ray's worker niceness (15 unless told)
+    """Ray starts its replicas at niceness 15; with M3SERVE_STEP_NICE=0 in the engine replica's environment (this
+    server's) its step thread (workers/step_thread.py) sets itself to 0, and so does the thread whose event loop
+    submitted a request (it publishes the tokens; one of the replica's threads Ray names `ray::...`, not the main
+    thread), where this user may lower a niceness (the check below asks the kernel). Ray's other threads and the
+    ingress replica stay at Ray's niceness."""
+    r = httpx.post(f"{server.base}/v1/completions", json={"model": "m3-tiny", "prompt": PROMPT, "max_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    replicas = {pid: command_line(pid) for pid in descendants(server.proc.pid)}
+    engines = [pid for pid, cmd in replicas.items() if "EngineServer" in cmd]
+    ingresses = [pid for pid, cmd in replicas.items() if "Ingress" in cmd]
+    assert len(engines) == 1 and len(ingresses) == 1, replicas
+    pid = engines[0]
+    named = {tid: (thread_name(pid, tid), nice) for tid, nice in thread_niceness(pid).items()}
+    steps = [nice for name, nice in named.values() if name == STEP_THREAD_NAME]
+    rays = thread_niceness(ingresses[0])[ingresses[0]]  # Ray's worker niceness (15 unless told)
     assert rays > 0
-    assert nice == (0 if may_lower_niceness() else rays)
+    moved = [nice for tid, (name, nice) in named.items() if name.startswith("ray::") and nice != rays]
+    if may_lower_niceness():
+        assert steps == [0] and moved == [0], named  # one step thread; one loop thread moved with it
+    else:
+        assert steps == [rays] and moved == [], named
 
 
 def test_openai_client_through_haproxy(server):

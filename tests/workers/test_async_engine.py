@@ -199,9 +199,10 @@ def test_debug_timeline_records_steps_with_wall_times_and_token_counts(make_asyn
 
 
 def test_step_thread_pins_itself_to_the_cpus_named_and_a_bad_value_fails_the_load(make_async, monkeypatch):
-    """M3SERVE_STEP_CPUS / M3SERVE_STEP_NICE: the step thread (and only it) runs on those CPUs at that niceness
-    and still serves; a malformed value or an absent CPU fails the engine's construction with the variable named,
-    before any thread starts."""
+    """M3SERVE_STEP_CPUS / M3SERVE_STEP_NICE: the step thread runs on those CPUs at that niceness and still
+    serves; the thread whose loop submitted (it publishes the tokens) takes the niceness too, not the CPUs; other
+    threads keep theirs. A malformed value or an absent CPU fails the engine's construction with the variable
+    named, before any thread starts."""
     from workers.step_thread import STEP_CPUS_ENV, STEP_NICE_ENV, parse_cpus
 
     assert parse_cpus("3, 0-1,7-7") == {0, 1, 3, 7}
@@ -217,10 +218,21 @@ def test_step_thread_pins_itself_to_the_cpus_named_and_a_bad_value_fails_the_loa
     async def main():
         return [out async for out in ae.generate("a", ids(9), greedy(3))]
 
-    assert len(asyncio.run(main())[-1].outputs[0].token_ids) == 3
+    caller = {}
+
+    def submit_from_a_loop_of_its_own():  # not this thread: its niceness would stay raised for later tests
+        caller["tokens"] = asyncio.run(main())[-1].outputs[0].token_ids
+        caller["affinity"] = os.sched_getaffinity(0)
+        caller["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=submit_from_a_loop_of_its_own)
+    t.start()
+    t.join()
+    assert len(caller["tokens"]) == 3
     assert os.sched_getaffinity(ae._thread.native_id) == {cpu}
     assert os.getpriority(os.PRIO_PROCESS, ae._thread.native_id) == 19
-    assert os.sched_getaffinity(0) == mine  # the caller's thread is untouched
+    assert caller["nice"] == 19 and caller["affinity"] == mine  # the loop's thread: the niceness, not the CPUs
+    assert os.sched_getaffinity(0) == mine  # a thread that did not submit is untouched
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == my_nice
     for env, value in ((STEP_CPUS_ENV, str(os.cpu_count())), (STEP_NICE_ENV, "20"), (STEP_NICE_ENV, "low")):
         monkeypatch.setenv(env, value)
