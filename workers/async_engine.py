@@ -156,7 +156,9 @@ class AsyncEngine:
                 prompt: str | None, handoff: tuple[str, str | None] | None = None) -> _Stream:
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
-        stream = self._open_stream()
+        # the calling loop's thread publishes the tokens: it takes the step thread's niceness (M3SERVE_STEP_NICE)
+        self._placement.apply_to_caller(self._caller_threads)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -169,12 +171,6 @@ class AsyncEngine:
             self._inbox.append(("add", request_id, prompt_token_ids, params, prompt, handoff))
         self._wake.set()
         return stream
-
-    def _open_stream(self) -> _Stream:
-        """A stream on the calling loop, whose thread takes the step thread's niceness (M3SERVE_STEP_NICE): it
-        is the thread that publishes the tokens."""
-        self._placement.apply_to_caller(self._caller_threads)
-        return _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
     def _check_alive(self) -> None:
         if self._error is not None:
@@ -206,7 +202,8 @@ class AsyncEngine:
         same; it is what a request admitted with `first_from_kv=False` starts from); None: not known yet (the
         stream opened before the prefill ran), the KV header brings it."""
         self._check_alive()
-        stream = self._open_stream()
+        self._placement.apply_to_caller(self._caller_threads)  # as in `_submit`
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")

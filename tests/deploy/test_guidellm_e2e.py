@@ -98,15 +98,16 @@ def test_guidellm_chat_run_loses_no_request(tmp_path):
         (bench,) = json.loads(report.read_text())["benchmarks"]
         totals = bench["metrics"]["request_totals"]
         errored = [r.get("info", {}).get("error") for r in bench["requests"]["errored"]]
-        # guidellm's scheduler counts every request it sent; its report's totals have left out one that ended at
-        # the run's edge (99 of 100 once, every one successful), so the count comes from the scheduler
+        # guidellm's scheduler counts every request it sent; its report's totals have left out requests that ended
+        # at the run's edge (99 of 100 once, 98 of 100 with 100 in its list of successful requests another time,
+        # every one successful), so the count comes from the scheduler
         state = bench["scheduler_state"]
         assert (state["successful_requests"], state["errored_requests"], state["cancelled_requests"]) == (
             REQUESTS, 0, 0), (state, totals, errored[:5])
         assert totals["errored"] == 0 and totals["incomplete"] == 0, (totals, errored[:5])
         assert totals["successful"] == totals["total"] >= REQUESTS - 2, totals
         done = bench["requests"]["successful"]
-        assert len(done) == totals["successful"]
+        assert REQUESTS >= len(done) >= totals["successful"], (len(done), totals)
         # each got the whole stream: the output length asked (guidellm sends ignore_eos) and a response id
         assert sorted({r["output_tokens"] for r in done}) == [OUTPUT_TOKENS], [r["output_tokens"] for r in done]
         assert all(r["response_id"].startswith("chatcmpl-") and r["output"] for r in done)
