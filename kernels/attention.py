@@ -318,8 +318,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_ids is None. `page_ids` (sparse only, optional): the selected blocks' pages, [N, Hkv, topk] int32 with
     block_ids' strides (page_tables[row_seq[n], block_ids[n, h, i]] where that id is >= 0, anything in the -1 tail),
     so a tile's page is not looked up after its block id (-0.3 us of 6.4 at B = 1 on the H200; the engine's indexer
-    does not write them yet). `swap` None: ATTN_OPTS["swap"]. `out` [N, Hq, D] may be a view (the decode suffix
-    of a mixed batch). No host syncs."""
+    writes them: `index_topk(with_pages=True)`). `swap` None: ATTN_OPTS["swap"]. `out` [N, Hq, D] may be a view
+    (the decode suffix of a mixed batch). No host syncs."""
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -419,7 +419,7 @@ def prompt_attention(q, k_cache, v_cache, page_tables, query_start_loc, position
 
 
 def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
-           num_splits, prefill):
+           num_splits, prefill, page_ids=None):
     if not 0 <= num_prefill_rows <= q.shape[0]:
         raise ValueError(f"attention: num_prefill_rows {num_prefill_rows} outside [0, {q.shape[0]}]")
     npf = num_prefill_rows
@@ -434,7 +434,8 @@ def _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_id
                          None if block_ids is None else block_ids[:npf], num_requests=num_requests,
                          max_len=max_len, out=out[:npf])
     paged_decode_attention(q[npf:], k_cache, v_cache, page_tables, row_seq[npf:], positions[npf:], scale,
-                           None if block_ids is None else block_ids[npf:], out=out[npf:], num_splits=num_splits)
+                           None if block_ids is None else block_ids[npf:], out=out[npf:], num_splits=num_splits,
+                           page_ids=None if page_ids is None else page_ids[npf:])
     return out
 
 
@@ -471,10 +472,12 @@ def dense_attention(q, k_cache, v_cache, page_tables, row_seq, positions, scale,
 
 def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block_ids, scale, *,
                      num_prefill_rows=0, backend: str | None = None, num_splits: int | None = None,
-                     prefill: tuple[torch.Tensor, int, int] | None = None):
+                     prefill: tuple[torch.Tensor, int, int] | None = None, page_ids: torch.Tensor | None = None):
     """Public launcher, MSA block-sparse over block_ids [N, Hkv, topk] (ascending, -1 tail); spans as above.
     The block_ids are the indexer's (M3_SPEC section 3): where the page tables are at most top-k blocks wide the
-    prompt rows are computed as dense causal attention, which that selection then equals (`prompt_kind`)."""
+    prompt rows are computed as dense causal attention, which that selection then equals (`prompt_kind`).
+    `page_ids`: the decode rows' selected pages as the indexer writes them (`index_topk(with_pages=True)`; the
+    decode kernel's input of that name), read on the Triton path only."""
     _check(q, k_cache, v_cache, row_seq, positions, block_ids)
     return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
-                  num_splits, prefill)
+                  num_splits, prefill, page_ids)

@@ -104,11 +104,13 @@ def _forced_scores(row_ptr, blk, own, local_blocks, ok):
 
 
 @triton.jit
-def _select_by_rank(sc_row, out_row, h, h_ok, sc_st_h, out_st_h, own, local_blocks, TOPK: tl.constexpr,
-                    HP: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr):
+def _select_by_rank(sc_row, out_row, h, h_ok, sc_st_h, out_st_h, own, local_blocks, pt_row, pg_row,
+                    TOPK: tl.constexpr, HP: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PAGES: tl.constexpr):
     # heads h [HP] of one row. Block i is chosen iff fewer than TOPK blocks beat it, where j beats i when its
     # score is higher, or equal with a lower id: the reference's stable-sort order, computed in parallel (no
-    # serial arg-max rounds). O(nb^2) compares: for rows of up to a few hundred blocks.
+    # serial arg-max rounds). O(nb^2) compares: for rows of up to a few hundred blocks. PAGES: the chosen
+    # blocks' pages (pt_row[i]) go to the same slots of pg_row (strides of out_row), the -1 tail left as is.
     i = tl.arange(0, BLOCK_NB)
     rows = sc_row + h[:, None] * sc_st_h  # [HP, 1]
     si = _forced_scores(rows, i[None, :], own, local_blocks, h_ok[:, None])  # [HP, NB]
@@ -122,6 +124,10 @@ def _select_by_rank(sc_row, out_row, h, h_ok, sc_st_h, out_st_h, own, local_bloc
         rank += tl.sum(beats.to(tl.int32), axis=2)
     chosen = (rank < TOPK) & (si > float("-inf"))
     _emit_ascending(out_row + h[:, None] * out_st_h, i[None, :] + 0 * rank, chosen, h_ok, HP, TOPK, BLOCK_K)
+    if PAGES:
+        pages = tl.load(pt_row + i, mask=i <= own, other=0)  # [NB]: one read of the row's table for all heads
+        slot = tl.cumsum(chosen.to(tl.int32), axis=1) - 1
+        tl.store(pg_row + h[:, None] * out_st_h + slot, pages[None, :] + 0 * rank, mask=chosen)
 
 
 @triton.jit
@@ -175,26 +181,32 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
             tl.atomic_xchg(cnt_ptr + n, 0)
             hs = tl.arange(0, HP)
             _select_by_rank(sc_ptr + n.to(tl.int64) * sc_st_n, out_ptr + n.to(tl.int64) * out_st_n, hs, hs < HI,
-                            sc_st_h, out_st_h, p // PS, local_blocks, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K)
+                            sc_st_h, out_st_h, p // PS, local_blocks, pt_ptr, out_ptr, TOPK, HP, BLOCK_NB,
+                            BLOCK_J, BLOCK_K, False)
 
 
-@step_jit(ints=("sc_st_n", "sc_st_h"), ptrs=("pos_ptr",))
+@step_jit(ints=("sc_st_n", "sc_st_h", "pt_st_r"), ptrs=("pos_ptr", "row_seq_ptr", "pt_ptr"))
 def _select_topk_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks, num_heads,
+                        row_seq_ptr, pt_ptr, pt_st_r, pg_ptr,
                         PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HP: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
+                        HP: tl.constexpr, BLOCK_J: tl.constexpr, PAGES: tl.constexpr, PDL: tl.constexpr):
     # program (n, hb): the top-k blocks of decode row n for index heads hb*HP, ..., hb*HP + HP - 1
     pdl_enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HP + tl.arange(0, HP)
     own = tl.load(pos_ptr + n).to(tl.int64) // PS
+    pt_row = pt_ptr
+    if PAGES:
+        pt_row = pt_ptr + tl.load(row_seq_ptr + n).to(tl.int64) * pt_st_r
     _select_by_rank(sc_ptr + n * sc_st_n, out_ptr + n * out_st_n, h, h < num_heads, sc_st_h, out_st_h, own,
-                    local_blocks, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K)
+                    local_blocks, pt_row, pg_ptr + n * out_st_n, TOPK, HP, BLOCK_NB, BLOCK_J, BLOCK_K, PAGES)
 
 
-@step_jit(ints=("sc_st_n", "sc_st_h"), ptrs=("pos_ptr",))
+@step_jit(ints=("sc_st_n", "sc_st_h", "pt_st_r"), ptrs=("pos_ptr", "row_seq_ptr", "pt_ptr"))
 def _select_rounds_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, out_st_h, local_blocks,
+                          row_seq_ptr, pt_ptr, pt_st_r, pg_ptr,
                           PS: tl.constexpr, TOPK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PAGES: tl.constexpr, PDL: tl.constexpr):
     # top-k by TOPK serial arg-max rounds (ties to the lowest index): O(k * nb), for long rows where the rank
     # selection's O(nb^2) compares cost more than the rounds' latency
     pdl_enter(PDL)
@@ -216,6 +228,10 @@ def _select_rounds_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, 
     ids = tl.sum(tl.where(match, b[None, :], 0), axis=1)
     ids = tl.where(tl.sum(match.to(tl.int32), axis=1) > 0, ids, -1)
     tl.store(out_ptr + n * out_st_n + h * out_st_h + k, ids.to(tl.int32), mask=k < TOPK)
+    if PAGES:  # the chosen blocks' pages beside their ids (the -1 tail left as is)
+        req = tl.load(row_seq_ptr + n).to(tl.int64)
+        pages = tl.load(pt_ptr + req * pt_st_r + ids, mask=ids >= 0, other=0)
+        tl.store(pg_ptr + n * out_st_n + h * out_st_h + k, pages, mask=(k < TOPK) & (ids >= 0))
 
 
 # launch options (benchmarks/kernels/bench_decode.py sweeps them on the GPU). SELECT["mode"]: "auto" (rank up to
@@ -270,9 +286,14 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
         BLOCK_K=max(16, next_pow2(topk)), HP=hp, PDL=pdl, **SCORE_LAUNCH, **pdl_opts)
 
 
-def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=None):
-    """scores [N, Hi, max_pages] -> out [N, Hi, topk] int32 (ascending ids, -1 tail, local blocks forced)."""
+def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=None, pages_out=None,
+                page_tables=None, row_seq=None):
+    """scores [N, Hi, max_pages] -> out [N, Hi, topk] int32 (ascending ids, -1 tail, local blocks forced). With
+    `pages_out` (out's shape and strides) also the chosen blocks' pages, page_tables[row_seq[n], id], beside
+    their ids (nothing written in the -1 tail)."""
     n, hi, max_pages = scores.shape
+    pages = pages_out is not None
+    pg = (row_seq, page_tables, page_tables.stride(0), pages_out) if pages else (positions, positions, 0, out)
     block_nb = max(16, next_pow2(max_pages))
     block_k = max(16, next_pow2(topk))
     mode = mode or SELECT["mode"]
@@ -283,28 +304,29 @@ def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=N
         # one warp while the row fits in a few registers per lane: the rounds are then shuffles only
         runnable(_select_rounds_kernel, scores.device)[(n, hi)](
             scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks,
-            PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, PDL=pdl,
+            *pg, PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, PAGES=pages, PDL=pdl,
             num_warps=TOPK_LAUNCH.get("num_warps") or (1 if block_nb <= 256 else 4), **pdl_opts)
         return
     hp = min(next_pow2(hi), SELECT["heads"])
     runnable(_select_topk_kernel, scores.device)[(n, -(-hi // hp))](
         scores, positions, out, scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), local_blocks, hi,
-        PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, HP=hp, BLOCK_J=_rank_tiles(hp, block_nb),
-        PDL=pdl, num_warps=TOPK_LAUNCH.get("num_warps") or 4, **pdl_opts)
+        *pg, PS=page_size, TOPK=topk, BLOCK_NB=block_nb, BLOCK_K=block_k, HP=hp, BLOCK_J=_rank_tiles(hp, block_nb),
+        PAGES=pages, PDL=pdl, num_warps=TOPK_LAUNCH.get("num_warps") or 4, **pdl_opts)
 
 
 def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
                       row_seq: torch.Tensor, positions: torch.Tensor, topk: int, local_blocks: int, *,
                       out: torch.Tensor | None = None, num_kv_splits: int | None = None,
                       scores: torch.Tensor | None = None, fused: bool | None = None,
-                      select_mode: str | None = None) -> torch.Tensor:
+                      select_mode: str | None = None, pages_out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton decode path for rows [0, N) of its inputs (any rows work; shapes as in `index_topk_ref`).
 
     `out` [N, Hi, topk] int32 may be a view (the decode suffix of a mixed batch); `scores` [N, Hi, max_pages]
     fp32 an optional scratch buffer (a graph-stable one). No host syncs, fixed grid for fixed shapes.
     fused None: one launch (selection by each row's last program) when the table has <= FUSED_MAX_BLOCKS
     blocks, else scores then selection; True/False force it (fused needs topk <= the power-of-two block width).
-    `select_mode` picks the separate selection kernel (see SELECT).
+    `select_mode` picks the separate selection kernel (see SELECT). `pages_out` (out's shape and strides): the
+    chosen blocks' pages beside their ids (`select_topk`; the attention kernel's `page_ids`), never fused.
     """
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
@@ -320,7 +342,7 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
     if scores is None:
         scores = torch.empty((n, hi, max_pages), dtype=torch.float32, device=q_idx.device)
     counters = None
-    if fused if fused is not None else max_pages <= FUSED_MAX_BLOCKS:
+    if pages_out is None and (fused if fused is not None else max_pages <= FUSED_MAX_BLOCKS):
         counters = arrival_counters("index_topk", n, q_idx.device)
     if counters is not None:
         index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
@@ -329,39 +351,48 @@ def index_topk_decode(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tab
     else:
         index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, scores,
                            num_kv_splits=num_kv_splits)
-        select_topk(scores, positions, out, topk, local_blocks, ps, mode=select_mode)
+        select_topk(scores, positions, out, topk, local_blocks, ps, mode=select_mode, pages_out=pages_out,
+                    page_tables=page_tables, row_seq=row_seq)
     return out
 
 
 def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor, row_seq: torch.Tensor,
                positions: torch.Tensor, topk: int, local_blocks: int, *, num_prefill_rows: int = 0,
                backend: str | None = None, num_kv_splits: int | None = None,
-               fused: bool | None = None, prefill: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
-    """Public launcher -> int32 [N, Hi, topk]. When `backend` resolves to Triton (None: on CUDA tensors;
-    "triton" forces it, on CPU through the interpreter), rows [0, num_prefill_rows) (prompt chunks) take the
-    prefill indexer (kernels/prefill_index.py) and rows [num_prefill_rows, N) (decode rows, the batch suffix) the
-    decode kernels here. Both spans are views of the inputs and of the output: nothing is copied. `prefill` as in
-    kernels.attention.dense_attention (None: derived from row_seq, one host sync). None off CUDA: prompt rows by
-    the reference, decode rows by `index_topk_decode_torch` (the same ids); "ref": the reference for all rows."""
+               fused: bool | None = None, prefill: tuple[torch.Tensor, int, int] | None = None,
+               with_pages: bool = False):
+    """Public launcher -> int32 [N, Hi, topk]; with `with_pages`, (ids, pages): pages [N, Hi, topk] int32 holds
+    the decode rows' chosen pages beside their ids on the Triton path (rows [0, num_prefill_rows) and the -1 tails
+    unwritten: `paged_decode_attention`'s `page_ids`), None on the others. When `backend` resolves to Triton
+    (None: on CUDA tensors; "triton" forces it, on CPU through the interpreter), rows [0, num_prefill_rows)
+    (prompt chunks) take the prefill indexer (kernels/prefill_index.py) and rows [num_prefill_rows, N) (decode
+    rows, the batch suffix) the decode kernels here. Both spans are views of the inputs and of the output:
+    nothing is copied. `prefill` as in kernels.attention.dense_attention (None: derived from row_seq, one host
+    sync). None off CUDA: prompt rows by the reference, decode rows by `index_topk_decode_torch` (the same ids);
+    "ref": the reference for all rows."""
     _check(q_idx, index_k_cache, page_tables, row_seq, positions, topk, num_prefill_rows)
     n, hi, _ = q_idx.shape
     npf = num_prefill_rows
     if not use_triton(q_idx.device, backend):
         if backend == "ref":
-            return index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
+            out = index_topk_ref(q_idx, index_k_cache, page_tables, row_seq, positions, topk, local_blocks)
+            return (out, None) if with_pages else out
         # off CUDA by default: prompt rows by the reference, decode rows all at once
-        return torch.cat([index_topk_ref(q_idx[:npf], index_k_cache, page_tables, row_seq[:npf], positions[:npf],
+        out = torch.cat([index_topk_ref(q_idx[:npf], index_k_cache, page_tables, row_seq[:npf], positions[:npf],
                                          topk, local_blocks),
                           index_topk_decode_torch(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:],
                                                   positions[npf:], topk, local_blocks)])
+        return (out, None) if with_pages else out
     out = torch.empty((n, hi, topk), dtype=torch.int32, device=q_idx.device)
+    pages = torch.empty_like(out) if with_pages else None
     if npf:
         qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)
         prefill_index_topk(q_idx[:npf], index_k_cache, page_tables, qsl, positions[:npf], topk, local_blocks,
                            num_requests=num_requests, max_len=max_len, out=out[:npf])
     index_topk_decode(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:], positions[npf:], topk, local_blocks,
-                      out=out[npf:], num_kv_splits=num_kv_splits, fused=fused)
-    return out
+                      out=out[npf:], num_kv_splits=num_kv_splits, fused=fused,
+                      pages_out=None if pages is None else pages[npf:])
+    return (out, pages) if with_pages else out
 
 
 def _check(q_idx, index_k_cache, page_tables, row_seq, positions, topk, num_prefill_rows) -> None:

@@ -56,10 +56,10 @@ class M3Attention(nn.Module):
                                   num_prefill_rows=meta.num_prefill_tokens, backend=self.backend,
                                   prefill=meta.prefill)
         else:
-            block_ids = self.indexer.select(q_idx, idx_cache, meta, backend=self.backend)
+            block_ids, page_ids = self.indexer.select(q_idx, idx_cache, meta, backend=self.backend)
             out = sparse_attention(q, k_cache, v_cache, meta.page_tables, meta.row_seq, meta.positions, block_ids,
                                    self.scale, num_prefill_rows=meta.num_prefill_tokens, backend=self.backend,
-                                   prefill=meta.prefill)
+                                   prefill=meta.prefill, page_ids=page_ids)
         return self.o_proj(out.flatten(1))
 
 

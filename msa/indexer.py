@@ -38,12 +38,13 @@ class Indexer(nn.Module):
                 qk_norm_rope(self.k_proj(h), self.k_norm.weight, self.k_norm.eps, cos, sin))
 
     def select(self, q_idx: torch.Tensor, index_k_cache: torch.Tensor, meta: AttentionMetadata, *,
-               backend: str | None = None) -> torch.Tensor:
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Block top-k over the paged index-K cache (this step's index-K must be written already).
-        -> int32 [T, Hi_local, topk]: ascending logical block ids, -1 tail padding."""
+        -> (int32 [T, Hi_local, topk]: ascending logical block ids, -1 tail padding; their pages beside them for
+        the decode rows on the Triton path, else None: the decode attention kernel skips the table lookup)."""
         return index_topk(q_idx, index_k_cache, meta.page_tables, meta.row_seq, meta.positions, self.topk,
                           self.local_blocks, num_prefill_rows=meta.num_prefill_tokens, backend=backend,
-                          prefill=meta.prefill)
+                          prefill=meta.prefill, with_pages=True)
 
 
 __all__ = ["Indexer"]

@@ -140,6 +140,12 @@ def bench_index(batch, length, gen, log):
     calls = [lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1) for i in range(num_sets)]
     shipped_ok = all(torch.equal(calls[i](), w) for i, w in enumerate(wants))
     shipped = graph_time_us(calls)
+    # the engine's call: the same launcher also writing the chosen pages beside the ids (the attention's
+    # `page_ids`: set its cost here against the attention's "pid" variants)
+    paged = [lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1, with_pages=True)
+             for i in range(num_sets)]
+    variants["shipped+pages"] = dict(us=graph_time_us(paged),
+                                     correct=all(torch.equal(paged[i]()[0], w) for i, w in enumerate(wants)))
     floor = batch * length * DI * 2 / HBM * 1e6
     vs = " ".join(f"{k}={e['us']:.1f}{'' if e.get('correct') else '(WRONG)'}" for k, e in variants.items() if "us" in e)
     return dict(op="index", B=batch, L=length, us=shipped, best_us=top["us"], floor_us=floor, bytes=call_bytes,

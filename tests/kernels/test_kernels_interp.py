@@ -106,9 +106,13 @@ def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, fused, 
     for topk, local in ((3, 1), (4, 2)):
         want = itk.index_topk_ref(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local)
         out = poison_(torch.empty(len(_ROWS), 3, topk, dtype=torch.int32))
+        # the unfused selections also write the chosen pages beside the ids (the -1 tail left as it was)
+        pages = None if fused else poison_(torch.empty_like(out))
         itk.index_topk_decode(q, case.index_k_cache, case.page_tables, case.row_seq, case.positions, topk, local,
-                              out=out, num_kv_splits=splits, fused=fused, select_mode=mode)
+                              out=out, num_kv_splits=splits, fused=fused, select_mode=mode, pages_out=pages)
         assert torch.equal(out, want), (topk, local)
+        if pages is not None:
+            assert torch.equal(pages, _page_ids(want, case.page_tables, case.row_seq, tail=-(2**30))), (topk, local)
     assert (want == -1).any() and (want >= 0).any()  # the case covers padding and real picks
 
 
@@ -261,6 +265,15 @@ def test_attention_launchers_mixed_batch_fp16(paged_case):
     want = attention.paged_attention_ref(*args, 0.25, block_ids)
     got = attention.sparse_attention(*args, block_ids, 0.25, num_prefill_rows=2, backend="triton")
     assert _rel(got, want) < 2e-3
+    # the indexer's pages beside its ids, as the model passes them: the decode rows read them, prompt rows not
+    qi = torch.randn(len(_ROWS), HKV, DI, generator=gen).half()
+    ids, pages = itk.index_topk(qi, case.index_k_cache, case.page_tables, case.row_seq, case.positions, 2, 1,
+                                num_prefill_rows=2, backend="triton", with_pages=True)
+    assert torch.equal(pages[2:][ids[2:] >= 0], _page_ids(ids, case.page_tables, case.row_seq)[2:][ids[2:] >= 0])
+    got = attention.sparse_attention(*args, ids, 0.25, num_prefill_rows=2, backend="triton", page_ids=pages)
+    assert _rel(got, attention.paged_attention_ref(*args, 0.25, ids)) < 2e-3
+    assert itk.index_topk(qi.float(), case.index_k_cache.float(), case.page_tables, case.row_seq, case.positions, 2,
+                          1, with_pages=True)[1] is None  # the CPU serving path has no pages to give
     want = attention.paged_attention_ref(*args, 0.25)
     got = attention.dense_attention(*args, 0.25, num_prefill_rows=3, backend="triton")
     assert _rel(got, want) < 2e-3
