@@ -17,7 +17,7 @@ from typing import Any
 
 from ray.serve import Application
 
-from deploy.config import ConfigError, ServeConfig, load_serve_config
+from deploy.config import ConfigError, ServeConfig, engine_deployment, load_serve_config
 from deploy.ingress import Ingress, model_name_for
 from deploy.metrics_hub import HUB_NAME, HUB_NUM_CPUS, MetricsHub
 from deploy.router import Router
@@ -74,7 +74,7 @@ def engine_options(config: ServeConfig, role: str, index: int) -> dict[str, Any]
         actor["num_gpus"] = 1  # a single-shard engine runs its model in the replica process itself
     # Let every request reach the engine, which answers 429 beyond its waiting bound (Serve would queue them).
     max_ongoing = config.engine.max_num_seqs + config.engine.max_waiting + 64
-    return {"name": f"EngineServer-{role}-{index}", "num_replicas": 1,
+    return {"name": engine_deployment(role, index), "num_replicas": 1,
             "ray_actor_options": replica_actor_options(**actor), "max_ongoing_requests": max_ongoing,
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S}
 

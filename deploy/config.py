@@ -100,6 +100,15 @@ class ServeConfig:
             return {"prefill": self.prefill, "decode": self.decode}
         return {"unified": self.unified}
 
+    def engine_deployments(self) -> list[str]:
+        """The engine deployments' names (one replica each; deploy/app.py deploys them, the router and the
+        metrics endpoint address them)."""
+        return [engine_deployment(role, i) for role, group in self.groups().items() for i in range(group.replicas)]
+
+
+def engine_deployment(role: Role, index: int) -> str:
+    return f"EngineServer-{role}-{index}"
+
 
 def load_serve_config(source: str | Path | dict[str, Any] | None = None,
                       overrides: dict[str, Any] | None = None) -> ServeConfig:

@@ -317,14 +317,6 @@ def exposition(families: list, accept: str | None) -> tuple[bytes, str]:
     return encoder(registry), content_type
 
 
-def engine_deployments(config: Any) -> list[str]:
-    """The engine deployments' names of `config`'s app (deploy/app.py names them; one replica each)."""
-    from deploy.app import engine_options  # at call time: deploy.app imports the ingress, which imports us
-
-    return [engine_options(config, role, i)["name"]
-            for role, group in config.groups().items() for i in range(group.replicas)]
-
-
 _HANDLES: dict[tuple[str, str], Any] = {}
 
 
@@ -364,7 +356,7 @@ async def gather(config: Any, local: list, timeout_s: float = 5.0) -> list:
             handle = _HANDLES[(app_name, name)] = serve.get_deployment_handle(name, app_name=app_name)
         return handle
 
-    others, *engines = await asyncio.gather(pushed(), *(one(n) for n in engine_deployments(config)))
+    others, *engines = await asyncio.gather(pushed(), *(one(n) for n in config.engine_deployments()))
     return merge_families([local, *others, *engines])
 
 
