@@ -63,7 +63,7 @@ def _find_config_file(name: str | Path) -> Path:
 
 # How often Serve checks a stopping replica for requests still in flight before it lets it exit (its default: every
 # 2 s, the first check after the first wait). On Ctrl-C / SIGTERM the ingress drain has ended them already
-# (deploy/serve_cmd.py), so that wait was idle time: `m3serve serve` took 10.5 s to stop on 2 CPUs, 5.5 s at this.
+# (deploy/serve_cmd.py), so that wait was idle time: `m3serve serve` took 10.5 s to stop on 2 CPUs, 6.6 s at this.
 SHUTDOWN_POLL_S = 0.2
 
 

@@ -117,7 +117,8 @@ def test_the_engine_step_thread_leaves_rays_worker_niceness(server):
     assert rays > 0
     moved = [nice for tid, (name, nice) in named.items() if name.startswith("ray::") and nice != rays]
     if may_lower_niceness():
-        assert steps == [0] and moved == [0], named  # one step thread; one loop thread moved with it
+        # one step thread; the loop thread moved with it (threads it starts later inherit its niceness: all at 0)
+        assert steps == [0] and moved and set(moved) == {0}, named
     else:
         assert steps == [rays] and moved == [], named
 
