@@ -8,7 +8,7 @@ per thread, so the engine replica's other threads are untouched):
   shares a core with the ingress, the proxy or a client on the same host.
 - `M3SERVE_STEP_NICE` (-20..19; unset or "inherit": leave it): its scheduling niceness, and that of each thread
   whose event loop receives its outputs (`apply_to_caller`, once per thread: in a Serve replica the replica's
-  loop, which publishes the tokens). Ray runs each worker process's main thread, and the threads it starts, at
+  loop, which publishes the tokens; threads that loop starts afterwards inherit it). Ray runs each worker process's main thread, and the threads it starts, at
   niceness 15 (its `worker_niceness`: the control plane first), the step thread among them; at 15 it gets about 3%
   of a CPU while a niceness-0 task runs there (scheduler weights 36 against 1024), and the load balancer counts it
   as almost no load. 0 puts it level with the in-process engine. Both threads move together: with the step thread
