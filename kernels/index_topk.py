@@ -41,17 +41,23 @@ def index_topk_ref(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables
         ctx = int(pos.max()) + 1
         keys = gather_context(index_k_cache, page_tables[r], ctx).float()  # [L, Di]
         scores = torch.einsum("nhd,ld->nhl", q_idx[rows].float(), keys)
-        future = torch.arange(ctx, device=keys.device)[None, :] > pos[:, None]  # [n, L]
-        scores = scores.masked_fill(future[:, None, :], float("-inf"))
-        nb = -(-ctx // ps)
-        scores = torch.nn.functional.pad(scores, (0, nb * ps - ctx), value=float("-inf"))
-        block_scores = scores.view(len(rows), hi, nb, ps).amax(-1)  # [n, Hi, nb]
-        own = pos // ps
-        blocks = torch.arange(nb, device=keys.device)
-        local = (blocks[None, :] >= (own - local_blocks + 1)[:, None]) & (blocks[None, :] <= own[:, None])
-        block_scores = block_scores.masked_fill(local[:, None, :], float("inf"))
-        out[rows] = select_topk_blocks(block_scores, topk)
+        out[rows] = select_topk_blocks(_forced_block_scores(scores, pos, ps, local_blocks), topk)
     return out
+
+
+def _forced_block_scores(scores: torch.Tensor, pos: torch.Tensor, ps: int, local_blocks: int) -> torch.Tensor:
+    """Key scores [n, Hi, L] of rows at positions pos [n] -> block scores [n, Hi, ceil(L / ps)]: the max over each
+    block's keys j <= pos (-inf where none), +inf on the row's local blocks."""
+    n, hi, length = scores.shape
+    future = torch.arange(length, device=scores.device)[None, :] > pos[:, None]  # [n, L]
+    scores = scores.masked_fill(future[:, None, :], float("-inf"))
+    nb = -(-length // ps)
+    scores = torch.nn.functional.pad(scores, (0, nb * ps - length), value=float("-inf"))
+    block_scores = scores.view(n, hi, nb, ps).amax(-1)
+    own = pos // ps
+    blocks = torch.arange(nb, device=scores.device)
+    local = (blocks[None, :] >= (own - local_blocks + 1)[:, None]) & (blocks[None, :] <= own[:, None])
+    return block_scores.masked_fill(local[:, None, :], float("inf"))
 
 
 def index_topk_decode_torch(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: torch.Tensor,
@@ -69,12 +75,7 @@ def index_topk_decode_torch(q_idx: torch.Tensor, index_k_cache: torch.Tensor, pa
     nb = int(pos.max()) // ps + 1
     keys = gather_row_contexts(index_k_cache, page_tables, row_seq, nb * ps).float()  # [N, nb * ps, Di]
     scores = torch.einsum("nhd,nld->nhl", q_idx.float(), keys)
-    future = torch.arange(nb * ps, device=q_idx.device)[None, :] > pos[:, None]  # [N, L]
-    block_scores = scores.masked_fill(future[:, None, :], float("-inf")).view(n, hi, nb, ps).amax(-1)
-    own = pos // ps
-    blocks = torch.arange(nb, device=q_idx.device)
-    local = (blocks[None, :] >= (own - local_blocks + 1)[:, None]) & (blocks[None, :] <= own[:, None])
-    return select_topk_blocks(block_scores.masked_fill(local[:, None, :], float("inf")), topk)
+    return select_topk_blocks(_forced_block_scores(scores, pos, ps, local_blocks), topk)
 
 
 def select_topk_blocks(block_scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -383,8 +384,9 @@ def index_topk(q_idx: torch.Tensor, index_k_cache: torch.Tensor, page_tables: to
                           index_topk_decode_torch(q_idx[npf:], index_k_cache, page_tables, row_seq[npf:],
                                                   positions[npf:], topk, local_blocks)])
         return (out, None) if with_pages else out
-    out = torch.empty((n, hi, topk), dtype=torch.int32, device=q_idx.device)
-    pages = torch.empty_like(out) if with_pages else None
+    # ids and pages from one allocation (the same strides, as the attention kernel's page_ids wants)
+    both = torch.empty((2 if with_pages else 1, n, hi, topk), dtype=torch.int32, device=q_idx.device)
+    out, pages = both[0], (both[1] if with_pages else None)
     if npf:
         qsl, num_requests, max_len = prefill if prefill is not None else prefill_layout(row_seq, npf)
         prefill_index_topk(q_idx[:npf], index_k_cache, page_tables, qsl, positions[:npf], topk, local_blocks,
