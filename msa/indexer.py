@@ -16,6 +16,12 @@ from msa.linear import KVHeadParallelLinear, ReplicatedLinear
 from msa.metadata import AttentionMetadata
 from msa.parallel import ParallelContext
 
+# Whether the selection also writes the chosen blocks' pages for the decode attention kernel (`page_ids`, saving
+# it a table read per block). Off: H200, bench_decode.py's method (docs/benchmarks.md K1), the pages cost the
+# indexer more than they save the attention at every shape: B = 1 / 16 / 64 at 8.7k index +0.2 / +0.2 / +1.6 us,
+# attention -0.3 / -0.2 / -0.9; at 131k the rounds selection's page gather +3.8 / +3.0 us.
+WRITE_PAGES = False
+
 
 class Indexer(nn.Module):
     def __init__(self, config: M3Config, ctx: ParallelContext, *, dtype, device):
@@ -40,11 +46,12 @@ class Indexer(nn.Module):
     def select(self, q_idx: torch.Tensor, index_k_cache: torch.Tensor, meta: AttentionMetadata, *,
                backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Block top-k over the paged index-K cache (this step's index-K must be written already).
-        -> (int32 [T, Hi_local, topk]: ascending logical block ids, -1 tail padding; their pages beside them for
-        the decode rows on the Triton path, else None: the decode attention kernel skips the table lookup)."""
-        return index_topk(q_idx, index_k_cache, meta.page_tables, meta.row_seq, meta.positions, self.topk,
-                          self.local_blocks, num_prefill_rows=meta.num_prefill_tokens, backend=backend,
-                          prefill=meta.prefill, with_pages=True)
+        -> (int32 [T, Hi_local, topk]: ascending logical block ids, -1 tail padding; with WRITE_PAGES their pages
+        beside them for the decode rows on the Triton path, else None: the decode attention kernel looks them up)."""
+        picked = index_topk(q_idx, index_k_cache, meta.page_tables, meta.row_seq, meta.positions, self.topk,
+                            self.local_blocks, num_prefill_rows=meta.num_prefill_tokens, backend=backend,
+                            prefill=meta.prefill, with_pages=WRITE_PAGES)
+        return picked if WRITE_PAGES else (picked, None)
 
 
-__all__ = ["Indexer"]
+__all__ = ["Indexer", "WRITE_PAGES"]

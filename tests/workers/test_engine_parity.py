@@ -119,21 +119,27 @@ def test_seeded_sampling_survives_preemption(make_llm):
     assert got == want
 
 
-def test_triton_prefill_path_matches_the_reference_path(make_llm, reference):
+def test_triton_prefill_path_matches_the_reference_path(make_llm, reference, monkeypatch):
     """The Triton kernels forced (`attention_backend="triton"`, through the interpreter here) give the reference
     path's greedy tokens and logprobs: prompts of several chunks (a 64-token budget) while others decode, chunk
-    starts inside a block, sparse layers selecting 4 of up to 10 blocks."""
+    starts inside a block, sparse layers selecting 4 of up to 10 blocks; also with the indexer writing the chosen
+    pages for the decode attention (msa/indexer.py WRITE_PAGES, off by default)."""
+    from msa import indexer
+
     picks = [LENGTHS.index(n) for n in (17, 65, 150, 48)]
     batch = [{"prompt_token_ids": prompts()[i]} for i in picks]
     params = [SamplingParams(temperature=0.0, max_tokens=min(MAX_TOKENS[i], 4), logprobs=3) for i in picks]
     got = {}
-    for backend in ("ref", "triton"):
+    for name, backend, pages in (("ref", "ref", False), ("triton", "triton", False), ("pages", "triton", True)):
+        monkeypatch.setattr(indexer, "WRITE_PAGES", pages)
         llm = make_llm(num_pages=128, max_num_batched_tokens=64, max_num_seqs=8, attention_backend=backend)
-        got[backend] = llm.generate(batch, params)
+        got[name] = llm.generate(batch, params)
         steps = llm.engine.pop_step_stats()
         assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps), "no step mixed prefill and decode"
         assert any(s.num_prefill_tokens == 64 for s in steps), "no prompt was split over chunks"
-    for j, (a, b) in enumerate(zip(got["ref"], got["triton"])):
+    pairs = [(a, b) for run in ("triton", "pages") for a, b in zip(got["ref"], got[run])]
+    for j, (a, b) in enumerate(pairs):
+        j %= len(picks)
         ca, cb = a.outputs[0], b.outputs[0]
         assert cb.token_ids == ca.token_ids, f"prompt {j}"
         assert cb.token_ids == reference[picks[j]][0][:len(cb.token_ids)]
