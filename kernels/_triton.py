@@ -117,6 +117,72 @@ def pdl_enter(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+class CompiledLaunch:
+    """Launches a Triton kernel straight through its compiled launcher once the JIT has compiled it for the same
+    arguments' specialisation. The JIT's per-call work (binding ~50 arguments, specialising each, the cache key,
+    the globals check) is host time on the critical path of an eager call, which PERF.md's single-call prefill
+    method counts (docs/benchmarks.md P12: the fused sparse prefill launch ~106 us of host time, a bare launch
+    ~16). The key here is stricter than Triton's (it holds every specialised integer's value, each tensor's dtype
+    and 16-byte alignment, the constexprs and launch options), so a hit always names the variant the JIT would have
+    picked. CUDA only, and only while no launch hook listens (a profiler then gets the JIT's metadata)."""
+
+    MAX_ENTRIES = 64
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        # a JITFunction's parameters (an interpreted kernel, on CPU, never gets here)
+        params = getattr(kernel, "params", ())
+        self._names = [p.name for p in params]
+        self._constexpr = [p.is_constexpr for p in params]
+        self._loose = {p.name for p in params if p.do_not_specialize}
+        self._compiled: dict[tuple, object] = {}
+        self.direct_launches = 0  # launches that skipped the JIT (tests read it)
+
+    def _key(self, args: tuple, consts: dict, options: dict, device) -> tuple:
+        key = [str(device), tuple(sorted(options.items()))]
+        for name, is_const, value in zip(self._names, self._constexpr, self._values(args, consts)):
+            if is_const:
+                key.append(value)
+            elif isinstance(value, torch.Tensor):
+                key.append((value.dtype, value.data_ptr() % 16 == 0))
+            elif isinstance(value, bool):
+                key.append(value)
+            elif isinstance(value, int):
+                key.append(-2**31 <= value < 2**31 if name in self._loose else value)
+            else:
+                key.append(type(value).__name__)
+        return tuple(key)
+
+    def _values(self, args: tuple, consts: dict) -> list:
+        # the kernel's arguments in its order: the positional ones, then the constexprs by name
+        return list(args) + [consts[n] for n in self._names[len(args):]]
+
+    def __call__(self, grid: tuple, args: tuple, consts: dict, **options):
+        """kernel[grid](*args, **consts, **options), through the compiled launcher when this specialisation has
+        been compiled (returns None then), else through the JIT (returns its CompiledKernel)."""
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        if device.type != "cuda":
+            return runnable(self.kernel, device)[grid](*args, **consts, **options)
+        key = self._key(args, consts, options, device)
+        compiled = self._compiled.get(key)
+        if compiled is None or launch_hooks_set():
+            compiled = self.kernel[grid](*args, **consts, **options)
+            if len(self._compiled) >= self.MAX_ENTRIES:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+            return compiled
+        g = tuple(grid) + (1, 1)
+        compiled.run(g[0], g[1], g[2], torch.cuda.current_stream(device).cuda_stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *self._values(args, consts))
+        self.direct_launches += 1
+        return None
+
+
+def launch_hooks_set() -> bool:
+    rt = triton.knobs.runtime
+    return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention, index_topk as itk
+from kernels import attention, index_topk as itk, prefill_sparse_split as split_mod
 from kernels.prefill_attention import prefill_attention
 from kernels.prefill_index import prefill_index_topk
 from kernels.prefill_sparse_split import prefill_sparse_split
@@ -90,6 +90,7 @@ def test_block_major_sparse_gpu(paged_case):
             assert not got.isnan().any(), launch
             assert _rel(got, want) < 1e-2, launch
         del want
+    assert split_mod._FUSED.direct_launches > 0  # the repeated launches skipped the JIT (kernels/_triton.py)
 
 
 def test_mixed_step_gpu(paged_case):

@@ -40,3 +40,39 @@ def test_pdl_launch_policy(monkeypatch):
     assert _triton.pdl_launch(gpu, "attention", 1)[1]
     monkeypatch.setattr(_triton, "_cuda_capability", lambda index: (8, 0))
     assert not _triton.pdl_launch(gpu, "attention", 1)[1]
+
+
+_KEY_PROBE = r"""
+import torch, triton, triton.language as tl
+from kernels._triton import CompiledLaunch
+
+@triton.jit(do_not_specialize=["n"])
+def k(x_ptr, y_ptr, n, stride, scale, BLOCK: tl.constexpr):
+    pass
+
+c = CompiledLaunch(k)
+buf = torch.zeros(64, dtype=torch.float32)
+def key(x=buf, n=5, stride=8, block=16, dtype=None, warps=4):
+    y = buf if dtype is None else buf.to(dtype)
+    return c._key((x, y, n, stride, 0.5), {"BLOCK": block}, {"num_warps": warps}, torch.device("cuda", 0))
+base = key()
+print(key(n=7) == base, key(n=2**31) != base, key(stride=16) != base, key(stride=1) != base,
+      key(x=buf[1:]) != base, key(x=buf[4:]) == base, key(block=32) != base, key(dtype=torch.float16) != base,
+      key(warps=8) != base)
+"""
+
+
+def test_compiled_launch_key_names_the_variant_the_jit_would_pick(tmp_path):
+    """A direct launch reuses a compiled kernel only for arguments Triton would specialise alike: a
+    do-not-specialise int may change within int32, any other int, a tensor's dtype or 16-byte alignment, a
+    constexpr or a launch option changes the key. Compiled-kernel Triton (not the interpreter this folder runs),
+    so in a fresh interpreter; the GPU test (test_prefill_gpu.py) checks the launches themselves."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    probe = tmp_path / "probe.py"  # triton.jit reads its kernel's source from a file
+    probe.write_text(_KEY_PROBE)
+    done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"] * 9, done.stdout
