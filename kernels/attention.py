@@ -293,7 +293,8 @@ ATTN_LAUNCH = {"num_warps": 4, "num_stages": 3, "block_n": 128, "block_n_walk": 
 # 72.1). fold_merge None: the last split of a (row, KV head) merges the partials (no merge launch) up to
 # MAX_FOLD_SPLITS splits (B=16, 3 splits: 27.7 vs 30.0 us); with more splits one program would merge what the
 # merge kernel spreads over G (B=1, 16 splits: 11.9 vs 8.3 us). True/False force either.
-# swap: each tile's products as K q^T and V^T P^T (`_tile_keys_major`); untimed on the GPU so far, off
+# swap: each tile's products as K q^T and V^T P^T (`_tile_keys_major`, wgmma on Hopper). Off: H200 (docs/benchmarks.md
+# K1) 6.4 / 25.8 / 71.3 us at B = 1 / 16 / 64 against 6.4 / 25.5 / 74.1 for the heads-major products, one run
 ATTN_OPTS = {"preload": None, "fold_merge": None, "swap": False}
 MAX_FOLD_SPLITS = 4
 
@@ -317,9 +318,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Triton flash-decoding for rows [0, N) of its inputs (shapes as in `paged_attention_ref`); dense when
     block_ids is None. `page_ids` (sparse only, optional): the selected blocks' pages, [N, Hkv, topk] int32 with
     block_ids' strides (page_tables[row_seq[n], block_ids[n, h, i]] where that id is >= 0, anything in the -1 tail),
-    so a tile's page is not looked up after its block id (-0.3 us of 6.4 at B = 1 on the H200; the engine's indexer
-    writes them: `index_topk(with_pages=True)`). `swap` None: ATTN_OPTS["swap"]. `out` [N, Hq, D] may be a view
-    (the decode suffix of a mixed batch). No host syncs."""
+    so a tile's page is not looked up after its block id (-0.3 us of 6.4 at B = 1 on the H200; `index_topk(
+    with_pages=True)` writes them, at a cost that outweighs this: msa/indexer.py WRITE_PAGES, off). `swap` None:
+    ATTN_OPTS["swap"]. `out` [N, Hq, D] may be a view (the decode suffix of a mixed batch). No host syncs."""
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -476,8 +477,8 @@ def sparse_attention(q, k_cache, v_cache, page_tables, row_seq, positions, block
     """Public launcher, MSA block-sparse over block_ids [N, Hkv, topk] (ascending, -1 tail); spans as above.
     The block_ids are the indexer's (M3_SPEC section 3): where the page tables are at most top-k blocks wide the
     prompt rows are computed as dense causal attention, which that selection then equals (`prompt_kind`).
-    `page_ids`: the decode rows' selected pages as the indexer writes them (`index_topk(with_pages=True)`; the
-    decode kernel's input of that name), read on the Triton path only."""
+    `page_ids`: the decode rows' selected pages as `index_topk(with_pages=True)` writes them (the decode kernel's
+    input of that name; the model passes none, msa/indexer.py WRITE_PAGES), read on the Triton path only."""
     _check(q, k_cache, v_cache, row_seq, positions, block_ids)
     return _route(q, k_cache, v_cache, page_tables, row_seq, positions, scale, block_ids, num_prefill_rows, backend,
                   num_splits, prefill, page_ids)
