@@ -179,6 +179,8 @@ class CompiledLaunch:
 
 
 def launch_hooks_set() -> bool:
+    """Whether a launch hook listens (a profiler): direct launches then go through the JIT, which builds the
+    metadata hooks expect."""
     rt = triton.knobs.runtime
     return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
