@@ -76,3 +76,24 @@ def test_compiled_launch_key_names_the_variant_the_jit_would_pick(tmp_path):
     done = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True"] * 9, done.stdout
+
+
+def test_ptxas_report_reads_compiled_kernels():
+    """benchmarks/kernels/ptxas_report.py compiles for sm_90a without a GPU: every decode variant reports its
+    registers and shared memory, and only the swapped products use wgmma (Hopper's MMA on 64+ rows)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, str(root / "benchmarks/kernels/ptxas_report.py"), "--only", "decode"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.rsplit(None, 5) for line in done.stdout.splitlines()[1:]]
+    assert len(rows) == 3, done.stdout
+    for label, regs, spill, stack, smem, wgmma in rows:
+        assert 0 < int(regs) <= 255 and float(smem) > 0, label
+        assert (int(wgmma) > 0) == ("swapped" in label), label
