@@ -71,6 +71,14 @@ class _Stream:
             pass  # the caller's loop is closed: nobody is listening
 
 
+def _open_stream(placement: StepPlacement, caller_threads: set[int]) -> _Stream:
+    """A stream on the calling loop. That loop's thread publishes the tokens, so it takes the step thread's
+    niceness (M3SERVE_STEP_NICE; once per thread, `caller_threads` remembers). A function, not a method: AsyncEngine
+    is at its method budget (tests/test_architecture.py)."""
+    placement.apply_to_caller(caller_threads)
+    return _Stream(asyncio.get_running_loop(), asyncio.Queue())
+
+
 def _put_all(items: list[tuple[_Stream, object]]) -> None:
     """Each item into its stream's queue: one `call_soon_threadsafe` per event loop for the whole step, not one per
     request: each such call takes the loop's lock and writes to its wake-up pipe, on the step thread (16 outputs:
@@ -156,9 +164,7 @@ class AsyncEngine:
                 prompt: str | None, handoff: tuple[str, str | None] | None = None) -> _Stream:
         self._check_alive()
         self.engine.validate_request(prompt_token_ids, params)
-        # the calling loop's thread publishes the tokens: it takes the step thread's niceness (M3SERVE_STEP_NICE)
-        self._placement.apply_to_caller(self._caller_threads)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _open_stream(self._placement, self._caller_threads)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -202,8 +208,7 @@ class AsyncEngine:
         same; it is what a request admitted with `first_from_kv=False` starts from); None: not known yet (the
         stream opened before the prefill ran), the KV header brings it."""
         self._check_alive()
-        self._placement.apply_to_caller(self._caller_threads)  # as in `_submit`
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _open_stream(self._placement, self._caller_threads)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id: {request_id!r} is already in flight")

@@ -8,13 +8,14 @@ per thread, so the engine replica's other threads are untouched):
   shares a core with the ingress, the proxy or a client on the same host.
 - `M3SERVE_STEP_NICE` (-20..19; unset or "inherit": leave it): its scheduling niceness, and that of each thread
   whose event loop receives its outputs (`apply_to_caller`, once per thread: in a Serve replica the replica's
-  loop, which publishes the tokens; threads that loop starts afterwards inherit it). Ray runs each worker process's main thread, and the threads it starts, at
-  niceness 15 (its `worker_niceness`: the control plane first), the step thread among them; at 15 it gets about 3%
-  of a CPU while a niceness-0 task runs there (scheduler weights 36 against 1024), and the load balancer counts it
-  as almost no load. 0 puts it level with the in-process engine. Both threads move together: with the step thread
-  alone at 0, on 2 loaded cores it starved the loop (still at 15), which then published tokens in bursts
-  (docs/benchmarks.md S8). Opt-in until timed on the GPU. Lowering a thread's niceness needs CAP_SYS_NICE (root
-  outside most containers); without it the thread keeps its niceness and says so once.
+  loop, which publishes the tokens; threads that loop starts afterwards inherit it). Ray runs each worker
+  process's main thread, and the threads it starts, at niceness 15 (its `worker_niceness`: the control plane
+  first), the step thread among them; at 15 it gets about 3% of a CPU while a niceness-0 task runs there
+  (scheduler weights 36 against 1024), and the load balancer counts it as almost no load. 0 puts it level with the
+  in-process engine. Both threads move together: with the step thread alone at 0, on 2 loaded cores it starved
+  the loop (still at 15), which then published tokens in bursts (docs/benchmarks.md S8). Opt-in: on the H200 (S10)
+  Serve was within +1.9% of the in-process engine with it and without it alike. Lowering a thread's niceness
+  needs CAP_SYS_NICE (root outside most containers); without it the thread keeps its niceness and says so once.
 
 The thread also takes the OS name `STEP_THREAD_NAME` (Linux `prctl`), so `top -H`, py-spy and the tests find it.
 """

@@ -140,8 +140,8 @@ def bench_index(batch, length, gen, log):
     calls = [lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1) for i in range(num_sets)]
     shipped_ok = all(torch.equal(calls[i](), w) for i, w in enumerate(wants))
     shipped = graph_time_us(calls)
-    # the engine's call: the same launcher also writing the chosen pages beside the ids (the attention's
-    # `page_ids`: set its cost here against the attention's "pid" variants)
+    # the same launcher also writing the chosen pages beside the ids (the attention's `page_ids`: its cost set
+    # against the attention's "pid" variants; off in the engine since K1, msa/indexer.py WRITE_PAGES)
     paged = [lambda i=i: itk.index_topk(qs[i], cache, tables[i], row_seq, pos, TOPK, 1, with_pages=True)
              for i in range(num_sets)]
     variants["shipped+pages"] = dict(us=graph_time_us(paged),

@@ -43,7 +43,8 @@ def _variants() -> dict[str, list[tuple[str, object, dict, dict]]]:
     decode = dict(_DECODE, SWAP=False)
     return {
         "split": [
-            ("fused, default (4 warps, SUB 4)", split._fused_kernel, dict(fused, SUB=4), dict(num_warps=4, num_stages=2)),
+            ("fused, default (4 warps, SUB 4)", split._fused_kernel, dict(fused, SUB=4),
+             dict(num_warps=4, num_stages=2)),
             ("fused, 8 warps", split._fused_kernel, dict(fused, SUB=4), dict(num_warps=8, num_stages=2)),
             ("fused, SUB 2", split._fused_kernel, dict(fused, SUB=2), dict(num_warps=4, num_stages=2)),
             ("unfused split, default", split._split_kernel, dict(plain, SUB=4), dict(num_warps=4, num_stages=2)),
