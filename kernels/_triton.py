@@ -133,22 +133,19 @@ class CompiledLaunch:
         # a JITFunction's parameters (an interpreted kernel, on CPU, never gets here)
         params = getattr(kernel, "params", ())
         self._names = [p.name for p in params]
-        self._constexpr = [p.is_constexpr for p in params]
-        self._loose = {p.name for p in params if p.do_not_specialize}
+        self._loose_at = [p.do_not_specialize for p in params if not p.is_constexpr]  # positional args only
         self._compiled: dict[tuple, object] = {}
         self.direct_launches = 0  # launches that skipped the JIT (tests read it)
 
     def _key(self, args: tuple, consts: dict, options: dict, device) -> tuple:
-        key = [str(device), tuple(sorted(options.items()))]
-        for name, is_const, value in zip(self._names, self._constexpr, self._values(args, consts)):
-            if is_const:
-                key.append(value)
-            elif isinstance(value, torch.Tensor):
+        key = [str(device), tuple(sorted(options.items())), *consts.values()]
+        for loose, value in zip(self._loose_at, args):
+            if isinstance(value, torch.Tensor):
                 key.append((value.dtype, value.data_ptr() % 16 == 0))
             elif isinstance(value, bool):
                 key.append(value)
             elif isinstance(value, int):
-                key.append(-2**31 <= value < 2**31 if name in self._loose else value)
+                key.append(-2**31 <= value < 2**31 if loose else value)
             else:
                 key.append(type(value).__name__)
         return tuple(key)
@@ -172,10 +169,21 @@ class CompiledLaunch:
             self._compiled[key] = compiled
             return compiled
         g = tuple(grid) + (1, 1)
-        compiled.run(g[0], g[1], g[2], torch.cuda.current_stream(device).cuda_stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *self._values(args, consts))
+        compiled.run(g[0], g[1], g[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                     None, *self._values(args, consts))
         self.direct_launches += 1
         return None
+
+
+try:  # the raw current stream, as Triton's own launcher gets it (torch.cuda.current_stream builds an object)
+    from torch._C import _cuda_getCurrentRawStream as _current_raw_stream
+except ImportError:  # pragma: no cover - a torch without the binding
+    def _current_raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def _raw_stream(device: torch.device) -> int:
+    return _current_raw_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def launch_hooks_set() -> bool:

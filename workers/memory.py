@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.prefill_sparse_split import BLOCK_MAJOR_RULE, workspace_bytes
+from kernels.prefill_sparse_split import BLOCK_MAJOR_RULE, release_workspace, workspace_bytes
 from msa.config import M3Config
 from msa.kv_cache import KVCache
 from msa.metadata import ChunkSpec, build_metadata
@@ -199,7 +199,7 @@ def block_major_reserve(config: M3Config, engine_config: EngineConfig, num_kv_he
     """Memory kept free for the block-major sparse prefill's workspace (kernels/prefill_sparse_split.py): the
     profile step's prompt rows may take the token-major kernel or the dense route (which one depends on its
     rows and page-table width, `prompt_kind`), so its peak need not hold the partials a prompt chunk beside a
-    long context allocates (up to 512 MiB at M3's shapes); kept free either way (where the profile step did go
+    long context allocates (up to 512 MiB at M3's shapes, kept from call to call once taken); kept free either way (where the profile step did go
     block-major, counted twice: at most 512 MiB of KV pool). 0 for a model without sparse layers.
     `num_kv_heads`: this shard's."""
     if not config.sparse_layers:
@@ -263,8 +263,10 @@ def step_failure(error: BaseException, *, num_tokens: int, num_requests: int) ->
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Give torch's cached, unused device blocks back (after a failed or a profile step)."""
+    """Give torch's cached, unused device blocks back (after a failed or a profile step), the sparse prefill's kept
+    workspace with them."""
     if device.type == "cuda":
+        release_workspace()
         gc.collect()
         torch.cuda.empty_cache()
 

@@ -95,6 +95,37 @@ def test_split_with_half_page_tiles_and_indexer_selections(paged_case):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_calls_keep_their_buffers_and_every_partial_they_read_is_fresh(paged_case):
+    """The fused path keeps its work-list buffers (by shape) and partials (the largest slice) from call to call:
+    a second call of the same shapes reuses them (no allocation before the launch) and, with the kept partials
+    poisoned by NaN and another selection, still equals the reference; a larger slice grows the partials;
+    `release_workspace` (the engine's OOM recovery) drops them."""
+    split.release_workspace()
+    case, qsl, max_len, q, _ = _case(paged_case, CHUNKS, dtype=torch.float16, seed=8, group=4)
+    args = (q, case.k_cache, case.v_cache, case.page_tables, qsl, case.positions, 0.25)
+
+    def run(sel, launch):
+        want = attention.paged_attention_ref(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq,
+                                             case.positions, 0.25, sel)
+        got = split.prefill_sparse_split(*args, sel, num_requests=len(CHUNKS), max_len=max_len, launch=launch)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
+
+    run(_random_selection(case.positions, 4, seed=9), {"max_rows": 40})
+    (po, pl), = split._PARTIALS.values()
+    work = dict(split._WORK)
+    assert po.shape[0] == pl.shape[0] == 40 * HKV * 4 * 4
+    po.fill_(float("nan"))
+    pl.fill_(float("nan"))
+    run(_random_selection(case.positions, 4, seed=10, shuffle=True), {"max_rows": 40})
+    (po2, _), = split._PARTIALS.values()
+    assert po2.data_ptr() == po.data_ptr() and all(split._WORK[k] is w for k, w in work.items())
+    run(_random_selection(case.positions, 4, seed=11), None)  # one slice of every row: larger partials
+    (po3, _), = split._PARTIALS.values()
+    assert po3.shape[0] == q.shape[0] * HKV * 4 * 4 > po.shape[0]
+    split.release_workspace()
+    assert not split._PARTIALS and not split._WORK
+
+
 def test_work_list_covers_every_pair_once_in_block_runs():
     """Every selected (row, head, slot) sits in exactly one program's run, a run holds one (head, request, block)
     and at most W pairs, programs past the end are marked -1, and rows of a slice past row 0 find their request.
