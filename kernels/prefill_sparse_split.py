@@ -35,8 +35,8 @@ import triton.language as tl
 
 from kernels._triton import CompiledLaunch, next_pow2, num_sms, runnable
 from kernels.prefill_attention import _scores, _softmax_update
-from kernels.sparse_work_list import (CHUNK, WorkList, build_work_list, count_chunk, scan_counts, scatter_chunk,
-                                      work_buffers)
+from kernels.sparse_work_list import (CHUNK, WorkBuffers, WorkList, build_work_list, count_chunk, scan_counts,
+                                      scatter_chunk, work_buffers)
 
 _LOG2E = 1.4426950408889634
 _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never ask for the causal mask
@@ -405,11 +405,11 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
                   BLOCK_N=opts["block_n"], DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype),
                   MASK_BRANCH=bool(opts["mask_branch"]), EVICT_FIRST=bool(opts["evict_first"]))
     key = (str(dev), q.dtype, k_cache.dtype, opts["num_warps"], opts["num_stages"], *consts.values())
+    bs, qs, ks, vs = block_ids.stride(), q.stride(), k_cache.stride(), v_cache.stride()  # one call each: host time
     args = (block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm,
             buf.items, q, k_cache, v_cache, page_tables, positions, part_o, part_lse, buf.num_pairs, row0, num_requests,
             max(1, num_requests.bit_length()), width, buf.num_keys, buf.num_items, buf.num_keys.bit_length() + 1,
-            block_ids.stride(0), block_ids.stride(1), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0), pairs,
+            bs[0], bs[1], qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], page_tables.stride(0), pairs,
             float(scale) * _LOG2E)
     launch = dict(num_warps=opts["num_warps"], num_stages=opts["num_stages"])
     if dev.type != "cuda":

@@ -97,3 +97,39 @@ def test_ptxas_report_reads_compiled_kernels():
     for label, regs, spill, stack, smem, wgmma in rows:
         assert 0 < int(regs) <= 255 and float(smem) > 0, label
         assert (int(wgmma) > 0) == ("swapped" in label), label
+
+
+_LOO_PROBE = r"""
+import sys
+sys.path.insert(0, sys.argv[1] + "/benchmarks/kernels")
+import ptxas_report as pr, split_leave_one_out as loo
+from kernels import prefill_sparse_split as shipped
+mod = loo.load_variant_module()
+consts = dict(pr._PREFILL, BLOCK_N=128, PAIRS_PER_ROW=64, SUB=4)
+opts = dict(num_warps=4, num_stages=2)
+base = pr.report(shipped._split_kernel, consts, opts)
+rows = [pr.report(mod._split_kernel, dict(consts, LOO=bits), opts) for bits in (0, 3)]
+print(base["registers"], rows[0]["registers"], rows[1]["registers"], base["wgmma"], rows[0]["wgmma"])
+"""
+
+
+def test_split_leave_one_out_rewrites_the_shipped_kernel(tmp_path):
+    """benchmarks/kernels/split_leave_one_out.py rewrites the shipped split's source: with no bit set its kernel
+    compiles (sm_90a, no GPU) to what the shipped one does, and leaving the query gather and the store out frees
+    registers. Fails when the split's source moves away from the script's anchors."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    probe = tmp_path / "probe.py"
+    probe.write_text(_LOO_PROBE)
+    done = subprocess.run([sys.executable, str(probe), str(root)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    base, same, fewer, wg_base, wg_same = (int(x) for x in done.stdout.split())
+    assert same == base and wg_same == wg_base > 0
+    assert fewer < base
