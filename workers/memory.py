@@ -199,9 +199,9 @@ def block_major_reserve(config: M3Config, engine_config: EngineConfig, num_kv_he
     """Memory kept free for the block-major sparse prefill's workspace (kernels/prefill_sparse_split.py): the
     profile step's prompt rows may take the token-major kernel or the dense route (which one depends on its
     rows and page-table width, `prompt_kind`), so its peak need not hold the partials a prompt chunk beside a
-    long context allocates (up to 512 MiB at M3's shapes, kept from call to call once taken); kept free either way (where the profile step did go
-    block-major, counted twice: at most 512 MiB of KV pool). 0 for a model without sparse layers.
-    `num_kv_heads`: this shard's."""
+    long context allocates (up to 512 MiB at M3's shapes; kept from call to call once taken); kept free either
+    way (where the profile step did go block-major, counted twice: at most 512 MiB of KV pool). 0 for a model
+    without sparse layers. `num_kv_heads`: this shard's."""
     if not config.sparse_layers:
         return 0
     rows = min(engine_config.max_num_batched_tokens,
