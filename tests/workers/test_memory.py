@@ -191,3 +191,20 @@ def test_block_major_workspace_is_kept_free_at_m3_shapes_and_not_for_dense_model
     assert block_major_reserve(m3, EngineConfig(max_num_batched_tokens=1024), 4, 2) == want // 4
     dense = dataclasses.replace(m3, layer_types=tuple("full_attention" for _ in m3.layer_types))
     assert block_major_reserve(dense, EngineConfig(), 4, 2) == 0
+
+
+def test_releasing_cached_memory_drops_the_sparse_prefills_kept_workspace(monkeypatch):
+    """The block-major kernel keeps its partials and work lists between calls; the engine's OOM recovery and the
+    profile step give torch's cache back through `release_cached_memory`, and that must take them too (else a
+    recovered engine holds up to 512 MiB more than it sized its pool for)."""
+    from kernels import prefill_sparse_split as split
+
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    split._kept_partials(64, 16, torch.float16, torch.device("cpu"))
+    split._kept_work_buffers(32, 8, 4, torch.device("cpu"))
+    assert split._PARTIALS and split._WORK
+    memory.release_cached_memory(torch.device("cpu"))  # a CPU engine has no torch cache to give back
+    assert split._PARTIALS and split._WORK and not emptied
+    memory.release_cached_memory(torch.device("cuda", 0))
+    assert not split._PARTIALS and not split._WORK and emptied
