@@ -296,14 +296,17 @@ def _merge_kernel(bid_ptr, po_ptr, pl_ptr, o_ptr, bid_st_n, bid_st_h, o_st_n, o_
     den = tl.sum(tl.exp2(lse_all - m[None, :]), axis=0)
     acc = tl.zeros([G, D], tl.float32)
     tile = g[:, None] * D + d[None, :]
+    m_col = m[:, None]  # [G, 1]: converted to the partials' layout once, not once a partial
     for k in tl.static_range(TOPK):  # unrolled: every partial's load in flight at once
         valid = tl.load(bid_ptr + row * bid_st_n + kvh * bid_st_h + k) >= 0
-        lse_k = tl.load(pl_row + k * G + g, mask=valid, other=float("-inf"))
+        # [G, 1], in the partials' own layout: a [G] load broadcast to [G, D] went through shared memory with two
+        # barriers a partial, each waiting on that partial's lse load (offline PTX: 32 barriers a program)
+        lse_k = tl.load(pl_row + k * G + g[:, None], mask=valid, other=float("-inf"))
         # masked by the selection only, not by the lse, so no load waits for another: a selected block's partial
         # is always written (zeros where it saw no key, weighted 2^-inf = 0). H200 (P10): the merge 303 -> 184 us
         # at 2k x 8k. Tried and slower: one [TOPK, G, D] tile load (2.5x), 2 or 8 warps.
         part = tl.load(po_row + k * (G * D) + tile, mask=valid, other=0.0)
-        acc += part.to(tl.float32) * tl.exp2(lse_k - m)[:, None]
+        acc += part.to(tl.float32) * tl.exp2(lse_k - m_col)
     out = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(o_ptr + row * o_st_n + (kvh * G + g)[:, None] * o_st_h + d[None, :], out.to(o_ptr.dtype.element_ty))
 
