@@ -6,6 +6,7 @@ lower kept, with its relative error against the fp32 reference. docs/benchmarks.
 
   PYTHONPATH=$PWD python3 benchmarks/kernels/sweep_decode_attn.py --out /tmp/sweep.json
   PYTHONPATH=$PWD python3 benchmarks/kernels/sweep_decode_attn.py --grid tiles --empty   # tile sizes; bare cost
+  PYTHONPATH=$PWD python3 benchmarks/kernels/sweep_decode_attn.py --grid warps           # 1-2 warps a program
 """
 from __future__ import annotations
 
@@ -51,6 +52,15 @@ GRIDS = {  # name -> batch -> settings (SHIPPED's keys); each grid also times th
              for bn, st in ((128, 2), (64, 2), (64, 3), (64, 4), (32, 4)) for s in (4, 8) for fold in (True, False)
              for pre, pid in ((True, False), (True, True)) for pdl in (False,)]
         + [dict(fold=fold, pid=True, pdl=True) for fold in (True, False)],
+    }),
+    # one or two warps a program (session 22, offline SASS): with 4 warps the 16 heads' rows are split over the
+    # warps along the keys, so each tile's row max and row sum cross warps through shared memory (~7 barriers a
+    # tile at B = 16); one warp holds whole rows (no barrier), and more programs fit an SM (1 warp, 64-key tiles,
+    # 2 stages: 254 registers, 36 KB, no spill; 128-key tiles spill at 1 warp)
+    "warps": _grid({
+        1: [dict(fold=False, splits=s, warps=w, block_n=64, stages=st) for s in (16, 32) for w, st in ((1, 2), (2, 3))],
+        16: [dict(fold=fold, splits=s, warps=w, block_n=bn, stages=st) for fold in (True, False) for s in (4, 8, 12)
+             for w, bn, st in ((1, 64, 2), (1, 32, 3), (2, 32, 3))],
     }),
 }
 
