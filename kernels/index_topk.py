@@ -116,13 +116,18 @@ def _select_by_rank(sc_row, out_row, h, h_ok, sc_st_h, out_st_h, own, local_bloc
     rows = sc_row + h[:, None] * sc_st_h  # [HP, 1]
     si = _forced_scores(rows, i[None, :], own, local_blocks, h_ok[:, None])  # [HP, NB]
     rank = tl.zeros([HP, BLOCK_NB], tl.int32)
+    # tile j0 + BLOCK_J's scores load before tile j0's compares: each iteration's rank sum crosses warps through
+    # shared memory (two barriers), so a load issued in the same iteration made every tile wait its L2 round trip
+    jj = tl.arange(0, BLOCK_J)
+    sj = _forced_scores(rows, jj[None, :], own, local_blocks, h_ok[:, None])  # [HP, BJ]
     for j0 in range(0, own + 1, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        sj = _forced_scores(rows, j[None, :], own, local_blocks, h_ok[:, None])  # [HP, BJ]
+        sj_next = _forced_scores(rows, (j0 + BLOCK_J + jj)[None, :], own, local_blocks, h_ok[:, None])
+        j = j0 + jj
         a = si[:, :, None]
         b = sj[:, None, :]
         beats = (b > a) | ((b == a) & (j[None, None, :] < i[None, :, None]))
         rank += tl.sum(beats.to(tl.int32), axis=2)
+        sj = sj_next
     chosen = (rank < TOPK) & (si > float("-inf"))
     _emit_ascending(out_row + h[:, None] * out_st_h, i[None, :] + 0 * rank, chosen, h_ok, HP, TOPK, BLOCK_K)
     if PAGES:
