@@ -1,14 +1,18 @@
-"""Registers, spills and shared memory of the heavy Triton kernels at M3 shapes, compiled for sm_90a on any machine.
+"""Registers, spills, shared memory and barriers of the heavy Triton kernels at M3 shapes, compiled for sm_90a on
+any machine.
 
 No GPU: Triton compiles to PTX for a named target and its bundled `ptxas -v` reports what each program will hold,
 so a kernel change can be checked for registers, spills and shared memory (programs an SM) on the dev machine
 before device time is spent on it. The arguments carry the 16-divisibility the JIT finds on the GPU (without it
 the loads are not vectorised and the report describes a kernel that never runs); the B = 1 decode kernel then
 reads as session 19's ncu read it on the H200 (docs/benchmarks.md P14). Numbers are per thread of one program;
-"spill" is ptxas's static count of spill-store bytes, not a measured rate.
+"spill" is ptxas's static count of spill-store bytes, not a measured rate; "bar" counts `BAR.SYNC` in the SASS
+(Triton's cuobjdump). `--sequence` prints each variant's SASS as a run-length list of its loads, stores, barriers,
+MMAs and exp2s: a global load whose value goes through shared memory (a layout conversion: STS, BAR, LDS) in the
+same loop iteration makes every iteration wait its round trip (docs/benchmarks.md P15 found two that way).
 
   PYTHONPATH=$PWD python3 benchmarks/kernels/ptxas_report.py            # every kernel and variant below
-  PYTHONPATH=$PWD python3 benchmarks/kernels/ptxas_report.py --only split
+  PYTHONPATH=$PWD python3 benchmarks/kernels/ptxas_report.py --only merge --sequence
 """
 from __future__ import annotations
 
@@ -26,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: k
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-from kernels import attention, prefill_sparse_split as split  # noqa: E402
+from kernels import attention, index_topk, prefill_sparse_split as split  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
 BF16_PTRS = {"q_ptr", "kc_ptr", "vc_ptr", "o_ptr"}  # bf16 tensors; other pointers int32 or fp32
-FP32_PTRS = {"pl_ptr", "plse_ptr"}
+FP32_PTRS = {"pl_ptr", "plse_ptr", "sc_ptr"}
 _PREFILL = dict(G=16, D=128, PS=128, DOT_FP32=False, MASK_BRANCH=True, EVICT_FIRST=True)
 _DECODE = dict(G=16, BLOCK_G=16, D=128, PS=128, TOPK=16, BLOCK_TOPK=16, SPARSE=True, ONE_SPLIT=False,
                DOT_FP32=False, PAGE_IDS=False, PDL=False)
@@ -59,6 +63,17 @@ def _variants() -> dict[str, list[tuple[str, object, dict, dict]]]:
              dict(decode, BLOCK_N=64, PRELOAD=True, FOLD_MERGE=True, BLOCK_S=4, SWAP=True),
              dict(num_warps=4, num_stages=3)),
         ],
+        "merge": [
+            ("sparse prefill merge (a row's 16 partials)", split._merge_kernel,
+             dict(G=16, D=128, HKV=4, TOPK=16, BLOCK_TOPK=16), dict(num_warps=4)),
+            ("decode merge kernel (B = 1, 16 splits)", attention._merge_kernel, dict(D=128, BLOCK_S=16, PDL=False),
+             dict(num_warps=4)),
+        ],
+        "select": [
+            ("rank selection, 8.7k tokens (68 blocks)", index_topk._select_topk_kernel,
+             dict(PS=128, TOPK=16, BLOCK_NB=128, BLOCK_K=16, HP=1, BLOCK_J=index_topk._rank_tiles(1, 128),
+                  PAGES=False, PDL=True), dict(num_warps=4)),
+        ],
     }
 
 
@@ -68,7 +83,7 @@ def _signature(kernel, consts: dict) -> dict:
         if name in consts:
             sig[name] = "constexpr"
         elif name == "po_ptr":  # partial outputs: q's dtype in the prefill split, fp32 in decode
-            sig[name] = "*fp32" if kernel is attention._decode_attn_kernel else "*bf16"
+            sig[name] = "*fp32" if kernel in (attention._decode_attn_kernel, attention._merge_kernel) else "*bf16"
         elif name.endswith("_ptr"):
             sig[name] = "*bf16" if name in BF16_PTRS else "*fp32" if name in FP32_PTRS else "*i32"
         elif "scale" in name:
@@ -89,18 +104,25 @@ def _divisible(kernel, consts: dict) -> dict:
             if sig[name].startswith("*") or (sig[name] == "i32" and name not in loose)}
 
 
+_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+# the SASS instructions --sequence shows: global loads / stores, shared-memory traffic, barriers, MMAs, exp2, atomics
+_SEQUENCE = re.compile(r"\b(LDGSTS|LDG|STG|LDS|STS|LDSM|STSM|BAR\.SYNC|HGMMA|HMMA|MUFU\.EX2|ATOMG|RED)\b")
+
+
 def report(kernel, consts: dict, options: dict) -> dict:
-    """Compile `kernel` for sm_90a -> registers, spill-store bytes, stack bytes, shared memory, wgmma count."""
+    """Compile `kernel` for sm_90a -> registers, spill-store bytes, stack bytes, shared memory, wgmma count,
+    SASS barriers, and the SASS itself."""
     source = triton.compiler.ASTSource(kernel, _signature(kernel, consts), constexprs=consts,
                                        attrs=_divisible(kernel, consts))
     compiled = triton.compile(source, target=TARGET, options=options)
     ptx = compiled.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    done = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                          text=True, check=True)
-    os.unlink(f.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx_path.write_text(ptx)
+        done = subprocess.run([str(_BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", str(ptx_path), "-o", str(cubin)],
+                              capture_output=True, text=True, check=True)
+        sass = subprocess.run([str(_BIN / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
     text = done.stderr
 
     def num(pattern: str) -> int:
@@ -109,21 +131,36 @@ def report(kernel, consts: dict, options: dict) -> dict:
 
     return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
             "stack": num(r"(\d+) bytes stack frame"), "shared": int(compiled.metadata.shared),
-            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx))}
+            "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)), "barriers": len(re.findall(r"BAR\.SYNC", sass)),
+            "sass": sass}
+
+
+def sequence(sass: str) -> str:
+    """The SASS's loads, stores, barriers, MMAs and exp2s in program order, runs of one kind counted (LDGx8)."""
+    runs: list[list] = []
+    for op in _SEQUENCE.findall(sass):
+        if runs and runs[-1][0] == op:
+            runs[-1][1] += 1
+        else:
+            runs.append([op, 1])
+    return " ".join(op if n == 1 else f"{op}x{n}" for op, n in runs)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=sorted(_variants()), default=None)
+    ap.add_argument("--sequence", action="store_true", help="also each variant's SASS loads / stores / barriers")
     args = ap.parse_args(argv)
-    print(f"{'kernel':58} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem KB':>8} {'wgmma':>6}")
+    print(f"{'kernel':58} {'regs':>5} {'spill B':>8} {'stack B':>8} {'smem KB':>8} {'wgmma':>6} {'bar':>4}")
     for group, rows in _variants().items():
         if args.only and group != args.only:
             continue
         for label, kernel, consts, options in rows:
             r = report(kernel, consts, options)
             print(f"{label:58} {r['registers']:5} {r['spill_stores']:8} {r['stack']:8} {r['shared'] / 1024:8.1f} "
-                  f"{r['wgmma']:6}", flush=True)
+                  f"{r['wgmma']:6} {r['barriers']:4}", flush=True)
+            if args.sequence:
+                print(f"  {sequence(r['sass'])}\n", flush=True)
     return 0
 
 

@@ -92,11 +92,34 @@ def test_ptxas_report_reads_compiled_kernels():
     done = subprocess.run([sys.executable, str(root / "benchmarks/kernels/ptxas_report.py"), "--only", "decode"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.rsplit(None, 5) for line in done.stdout.splitlines()[1:]]
+    rows = [line.rsplit(None, 6) for line in done.stdout.splitlines()[1:]]
     assert len(rows) == 3, done.stdout
-    for label, regs, spill, stack, smem, wgmma in rows:
-        assert 0 < int(regs) <= 255 and float(smem) > 0, label
+    for label, regs, spill, stack, smem, wgmma, bars in rows:
+        assert 0 < int(regs) <= 255 and float(smem) > 0 and int(bars) > 0, label
         assert (int(wgmma) > 0) == ("swapped" in label), label
+
+
+def test_the_sparse_prefill_merge_issues_its_loads_without_barriers_between():
+    """The merge's partial loads must not wait on one another (docs/benchmarks.md P15: a [G] lse broadcast through
+    shared memory put two barriers after each partial's lse load, 16 dependent round trips a program). In the
+    merge's SASS (ptxas_report.py --sequence, sm_90a, no GPU), from the first run of 16+ global loads to the last
+    global load there is no barrier."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, str(root / "benchmarks/kernels/ptxas_report.py"), "--only", "merge",
+                           "--sequence"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    ops = lines[lines.index(next(x for x in lines if x.startswith("sparse prefill merge"))) + 1].split()
+    first = next(i for i, op in enumerate(ops) if op.startswith("LDGx") and int(op[4:]) >= 16)
+    last = max(i for i, op in enumerate(ops) if op.startswith("LDG"))
+    assert not [op for op in ops[first:last] if op.startswith("BAR")], ops
 
 
 _LOO_PROBE = r"""
