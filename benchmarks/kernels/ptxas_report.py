@@ -63,6 +63,12 @@ def _variants() -> dict[str, list[tuple[str, object, dict, dict]]]:
              dict(decode, BLOCK_N=64, PRELOAD=True, FOLD_MERGE=True, BLOCK_S=4, SWAP=True),
              dict(num_warps=4, num_stages=3)),
         ],
+        # one or two warps a program (sweep_decode_attn.py --grid warps): whole rows a warp, no cross-warp softmax
+        "decode_warps": [
+            (f"sparse, {w} warp(s), {bn}-key tiles, {st} stages (B = 16)", attention._decode_attn_kernel,
+             dict(decode, BLOCK_N=bn, PRELOAD=True, FOLD_MERGE=True, BLOCK_S=4), dict(num_warps=w, num_stages=st))
+            for w, bn, st in ((1, 64, 2), (1, 32, 3), (2, 32, 3))
+        ],
         "merge": [
             ("sparse prefill merge (a row's 16 partials)", split._merge_kernel,
              dict(G=16, D=128, HKV=4, TOPK=16, BLOCK_TOPK=16), dict(num_warps=4)),

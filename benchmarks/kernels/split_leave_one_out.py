@@ -14,6 +14,7 @@ programs fit an SM. Method: device time of one launch, CUDA events, the GPU kept
 the host issues it, median over alternating rounds.
 
   PYTHONPATH=$PWD python3 benchmarks/kernels/split_leave_one_out.py [--loo 0,1,2,4,12] [--cases 2048:8192,8192:8192]
+  PYTHONPATH=$PWD python3 benchmarks/kernels/split_leave_one_out.py --offline --loo 0,1,2,3,4,12   # no GPU
 """
 from __future__ import annotations
 
@@ -91,18 +92,37 @@ def load_variant_module():
     return module
 
 
+def offline(loos: list[int]) -> None:
+    """Registers, spills and shared memory of each variant compiled for sm_90a here (no GPU; ptxas_report.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import ptxas_report as pr
+
+    mod = load_variant_module()
+    launch = mod.SPLIT_LAUNCH
+    consts = dict(pr._PREFILL, BLOCK_N=launch["block_n"], PAIRS_PER_ROW=64, SUB=launch["sub"])
+    for loo in loos:
+        r = pr.report(mod._split_kernel, dict(consts, LOO=loo),
+                      dict(num_warps=launch["num_warps"], num_stages=launch["num_stages"]))
+        print(json.dumps({"LOO": loo, "registers": r["registers"], "spill": r["spill_stores"],
+                          "shared KB": round(r["shared"] / 1024, 1), "barriers": r["barriers"]}), flush=True)
+
+
 def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--loo", default="0,1,2,4,12")
+    ap.add_argument("--cases", default="2048:8192,8192:8192")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--offline", action="store_true", help="registers / shared memory only, compiled here")
+    args = ap.parse_args(argv)
+    loos = [int(x) for x in args.loo.split(",")]
+    if args.offline:
+        offline(loos)
+        return 0
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_prefill as bp
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--loo", default="0,1,2,4,12")
-    ap.add_argument("--cases", default="2048:8192,8192:8192")
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args(argv)
-    loos = [int(x) for x in args.loo.split(",")]
     mod = load_variant_module()
     for case in args.cases.split(","):
         t, ctx = (int(x) for x in case.split(":"))

@@ -55,7 +55,8 @@ GRIDS = {  # name -> batch -> settings (SHIPPED's keys); each grid also times th
     }),
     # one or two warps a program (session 22, offline SASS): with 4 warps the 16 heads' rows are split over the
     # warps along the keys, so each tile's row max and row sum cross warps through shared memory (~7 barriers a
-    # tile at B = 16); one warp holds whole rows (no barrier), and more programs fit an SM (1 warp, 64-key tiles,
+    # tile at B = 16); one warp holds whole rows (no cross-warp reduction; its barriers are the stages' own), and
+    # more programs fit an SM (1 warp, 64-key tiles,
     # 2 stages: 254 registers, 36 KB, no spill; 128-key tiles spill at 1 warp)
     "warps": _grid({
         1: [dict(fold=False, splits=s, warps=w, block_n=64, stages=st) for s in (16, 32) for w, st in ((1, 2), (2, 3))],
