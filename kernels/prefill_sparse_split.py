@@ -126,6 +126,14 @@ def workspace_bytes(num_rows: int, num_kv_heads: int, topk: int, group: int, hea
 # ---- split and merge --------------------------------------------------------------------------------------------
 
 @triton.jit
+def _raw_scores(q, k, DOT_FP32: tl.constexpr):
+    # q [M, D] against a held key tile k [BN, D] -> unscaled logits [M, BN] (fp32 parity runs: IEEE fp32 dots)
+    if DOT_FP32:
+        return tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _block_step(q, k, v, keys, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,
                 MASK_BRANCH: tl.constexpr):
     # one K/V tile [BN, D] held by the program against the sub-tile's rows [M] (prefill_attention's softmax
@@ -231,15 +239,18 @@ def _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM: tl.constexpr, 
     # a row saw no key)
     need_mask = tl.min(pos, axis=0) < key0 + PS - 1  # some row's own block (or earlier): mask keys > pos
     if PS == BLOCK_N:
-        # one tile: a plain softmax, no running max to rescale by
-        qk = _scores(q, k0, qk_scale_log2, DOT_FP32)
+        # one tile: a plain softmax, no running max to rescale by. The logits stay unscaled up to the exp2, whose
+        # argument takes the scale in one FMA (the scale positive: the max commutes with it); a multiply of its
+        # own was 64 more instructions a thread a sub-tile (offline SASS, docs/benchmarks.md P16)
+        qk = _raw_scores(q, k0, DOT_FP32)
         if MASK_BRANCH:
             if need_mask:
                 qk = tl.where((key0 + n)[None, :] <= pos[:, None], qk, float("-inf"))
         else:
             qk = tl.where((key0 + n)[None, :] <= pos[:, None], qk, float("-inf"))
-        m_i = tl.max(qk, axis=1)
-        p = tl.exp2(qk - tl.where(m_i > float("-inf"), m_i, 0.0)[:, None])
+        m_raw = tl.max(qk, axis=1)
+        m_i = tl.where(m_raw > float("-inf"), m_raw * qk_scale_log2, 0.0)  # base-2, scaled; 0 where no key
+        p = tl.exp2(qk * qk_scale_log2 - m_i[:, None])
         l_i = tl.sum(p, axis=1)
         if DOT_FP32:
             acc = tl.dot(p, v0.to(tl.float32), input_precision="ieee")
@@ -254,7 +265,10 @@ def _sub_tile(q, pos, k0, v0, k1, v1, key0, n, qk_scale_log2, BM: tl.constexpr, 
         m_i, l_i, acc = _block_step(q, k1, v1, key0 + BLOCK_N + n, pos, need_mask, m_i, l_i, acc, qk_scale_log2,
                                     DOT_FP32, MASK_BRANCH)
     has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    # one reciprocal a row, then multiplies: `acc / l[:, None]` compiled to a range-checked divide per element
+    # (FMUL, FSEL, FMUL: 192 instructions a thread a sub-tile against 64; offline SASS, docs/benchmarks.md P16)
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    out = acc * inv[:, None]
     lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     return out, lse
 
