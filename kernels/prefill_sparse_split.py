@@ -49,9 +49,12 @@ _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never as
 # instead of held across them was 30-45% slower. P11: the loop's loads run ahead (split -12%; no switch), the
 # fused persistent kernel (`fused`: one launch for the work list and split, same device time, ~150 us less host
 # time a call) and partial stores marked evict-first were each the faster in the same lease. `fused: False` is the
-# fallback: the work list's two launches (kernels/sparse_work_list.py), then the split.
+# fallback: the work list's two launches (kernels/sparse_work_list.py), then the split. `fuse_split` (off): the
+# split's items run inside the persistent kernel too; P16 (H100, one run): the split's device time there was
+# ~10% above the same split as launched programs (fused 682 against 630 us at 2k x 8k), so the persistent kernel
+# builds the work list only and the split is a launch of its own (events of one call -3% to -6%).
 SPLIT_LAUNCH = {"pairs": 64, "sub": 4, "block_n": 128, "num_warps": 4, "num_stages": 2, "max_rows": 4096,
-                "mask_branch": True, "fused": True, "evict_first": True}
+                "mask_branch": True, "fused": True, "fuse_split": False, "evict_first": True}
 
 # When the prompt rows take this kernel rather than the token-major one (host ints only, see `use_block_major`):
 # between `min_rows_per_request` and `max_rows_per_request` rows per request on average (enough tokens to share
@@ -347,11 +350,12 @@ def _fused_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_pt
                   bid_st_n, bid_st_h, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
                   pairs_per_prog, qk_scale_log2, HKV: tl.constexpr, TOPK: tl.constexpr, CHUNK: tl.constexpr,
                   G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr, EVICT_FIRST: tl.constexpr):
-    # The work list's three phases (kernels/sparse_work_list.py) and the split as one persistent launch: the
-    # launches it saves are host time that PERF.md's single-call method sees (docs/benchmarks.md P11). Grid-wide
-    # syncs separate the phases; cnt[num_keys + 1 ..] hold their counters, the split's ticket and the exit count,
-    # all zero at rest.
+                  DOT_FP32: tl.constexpr, MASK_BRANCH: tl.constexpr, EVICT_FIRST: tl.constexpr,
+                  SPLIT: tl.constexpr):
+    # The work list's three phases (kernels/sparse_work_list.py) and (SPLIT) the split as one persistent launch:
+    # the launches it saves are host time that PERF.md's single-call method sees (docs/benchmarks.md P11). Grid-
+    # wide syncs separate the phases; cnt[num_keys + 1 ..] hold their counters, the split's ticket and the exit
+    # count, all zero at rest. Without SPLIT the work list alone (the split then a launch of its own).
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     sync = cnt_ptr + num_keys
@@ -365,19 +369,20 @@ def _fused_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_pt
     for c in range(pid, tl.cdiv(tl.maximum(num_pairs, num_items), CHUNK), nprog):
         scatter_chunk(c, key_ptr, rank_ptr, seg_ptr, pend_ptr, perm_ptr, item_ptr, num_pairs, num_items, num_keys,
                       key_steps, CHUNK)
-    _grid_sync(sync + 3, nprog)
-    # the split's programs as work items handed out by a ticket (items differ in size: dynamic balance)
-    it = tl.atomic_add(sync + 4, 1)
-    while it < num_items:
-        key = tl.load(item_ptr + it, cache_modifier=".cg")
-        if key >= 0:
-            _split_item(it, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr, pl_ptr,
-                        q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
-                        pairs_per_prog, num_requests, width, qk_scale_log2, G, SUB, D, PS, BLOCK_N, HKV * TOPK,
-                        DOT_FP32, MASK_BRANCH, EVICT_FIRST)
-            it = tl.atomic_add(sync + 4, 1)
-        else:  # the items past the work list's end are all -1
-            it = num_items
+    if SPLIT:
+        _grid_sync(sync + 3, nprog)
+        # the split's programs as work items handed out by a ticket (items differ in size: dynamic balance)
+        it = tl.atomic_add(sync + 4, 1)
+        while it < num_items:
+            key = tl.load(item_ptr + it, cache_modifier=".cg")
+            if key >= 0:
+                _split_item(it, key, q_ptr, kc_ptr, vc_ptr, pt_ptr, pos_ptr, seg_ptr, pend_ptr, perm_ptr, po_ptr,
+                            pl_ptr, q_st_n, q_st_h, kc_st_p, kc_st_o, kc_st_h, vc_st_p, vc_st_o, vc_st_h, pt_st_r,
+                            pairs_per_prog, num_requests, width, qk_scale_log2, G, SUB, D, PS, BLOCK_N, HKV * TOPK,
+                            DOT_FP32, MASK_BRANCH, EVICT_FIRST)
+                it = tl.atomic_add(sync + 4, 1)
+            else:  # the items past the work list's end are all -1
+                it = num_items
     # the last program out resets the counters: every program has passed every sync by then
     tl.debug_barrier()
     if tl.atomic_add(sync + 5, 1, sem="acq_rel") == nprog - 1:
@@ -388,6 +393,7 @@ def _fused_kernel(bid_ptr, qsl_ptr, cnt_ptr, key_ptr, rank_ptr, seg_ptr, pend_pt
 # launched straight through its compiled launcher after the first call of each variant (kernels/_triton.py; host
 # time of `fused_split`, H200 probe, two leases: 106 us in P12, 70 us with it in P14)
 _FUSED = CompiledLaunch(_fused_kernel)
+_SPLIT = CompiledLaunch(_split_kernel)
 
 # programs of the fused kernel resident per SM, by (device, compiled variant): from its registers and shared
 # memory once it has run (the first launch assumes one per SM, always resident). A cooperative launch larger than
@@ -410,7 +416,8 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
                 num_requests: int, scale: float, part_o, part_lse, opts: dict) -> None:
     """The fused kernel over one slice of rows (q, positions, block_ids: the slice's rows): partials and their lse
     into part_o / part_lse, as `build_work_list` + the split launch would. One launch, a grid of what fits on the
-    device at once (one program on CPU: the interpreter runs programs one after another)."""
+    device at once (one program on CPU: the interpreter runs programs one after another); without `fuse_split` the
+    persistent kernel builds the work list only and the split follows as a launch of its own."""
     n, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     group, topk = hq // hkv, block_ids.shape[-1]
@@ -420,7 +427,8 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
     buf = _kept_work_buffers(n * hkv * topk, hkv * num_requests * width, pairs, dev)
     consts = dict(HKV=hkv, TOPK=topk, CHUNK=CHUNK, G=group, SUB=_pow2_sub(opts), D=d, PS=ps,
                   BLOCK_N=opts["block_n"], DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype),
-                  MASK_BRANCH=bool(opts["mask_branch"]), EVICT_FIRST=bool(opts["evict_first"]))
+                  MASK_BRANCH=bool(opts["mask_branch"]), EVICT_FIRST=bool(opts["evict_first"]),
+                  SPLIT=bool(opts["fuse_split"]))
     key = (str(dev), q.dtype, k_cache.dtype, opts["num_warps"], opts["num_stages"], *consts.values())
     bs, qs, ks, vs = block_ids.stride(), q.stride(), k_cache.stride(), v_cache.stride()  # one call each: host time
     args = (block_ids, query_start_loc, buf.counts, buf.key, buf.rank, buf.seg_start, buf.prog_end, buf.perm,
@@ -431,9 +439,22 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
     launch = dict(num_warps=opts["num_warps"], num_stages=opts["num_stages"])
     if dev.type != "cuda":
         _FUSED((1,), args, consts, **launch)
-        return
+    else:
+        _fused_launch(args, consts, launch, key, buf)
+    if not consts["SPLIT"]:
+        _launch_split(buf.items, buf.num_items, q, k_cache, v_cache, page_tables, positions, buf.seg_start,
+                      buf.prog_end, buf.perm, part_o, part_lse, pairs, num_requests, width, scale, hkv * topk, opts,
+                      strides=(qs, ks, vs))
+
+
+def _fused_launch(args: tuple, consts: dict, launch: dict, key: tuple, buf: WorkBuffers) -> None:
+    # the cooperative grid: what fits on the device at once (learnt after the first launch of the variant); the
+    # work list alone needs no more programs than it has chunks
+    dev = args[0].device
     sms = num_sms(dev)
     grid = max(1, min(sms * _RESIDENT.get(key, 1), buf.num_items))
+    if not consts["SPLIT"]:
+        grid = min(grid, triton.cdiv(max(buf.num_pairs, buf.num_items), CHUNK))
     try:
         kernel = _FUSED((grid,), args, consts, **launch, launch_cooperative_grid=True)
     except RuntimeError:
@@ -444,7 +465,7 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
         _RESIDENT[key] = 1
         kernel = _FUSED((min(sms, buf.num_items),), args, consts, **launch, launch_cooperative_grid=True)
     if key not in _RESIDENT and kernel is not None:  # None: a direct launch, after the JIT's first
-        _RESIDENT[key] = _resident_per_sm(kernel, opts["num_warps"], dev)
+        _RESIDENT[key] = _resident_per_sm(kernel, launch["num_warps"], dev)
 
 
 def split_options(launch: dict | None, group: int, page_size: int, fp32: bool) -> dict:
@@ -471,19 +492,26 @@ def split_merge(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
                 part_o: torch.Tensor, part_lse: torch.Tensor, opts: dict) -> torch.Tensor:
     """The split and merge launches of one slice of rows (q, positions, block_ids, out: the slice's rows) over
     its work list; part_o [>= pairs * G, D] and part_lse [>= pairs * G] are the workspace."""
-    n, hq, d = q.shape
-    ps, hkv = k_cache.shape[1], k_cache.shape[2]
-    group, topk = hq // hkv, block_ids.shape[-1]
-    sub = _pow2_sub(opts)
-    runnable(_split_kernel, q.device)[(work.num_items,)](
-        work.items, q, k_cache, v_cache, page_tables, positions, work.seg_start, work.prog_end,
-        work.perm, part_o, part_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_tables.stride(0),
-        work.pairs_per_prog, work.num_requests, work.width, float(scale) * _LOG2E,
-        G=group, SUB=sub, D=d, PS=ps, BLOCK_N=opts["block_n"], PAIRS_PER_ROW=hkv * topk,
-        DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype), MASK_BRANCH=bool(opts["mask_branch"]),
-        EVICT_FIRST=bool(opts["evict_first"]), num_warps=opts["num_warps"], num_stages=opts["num_stages"])
+    _launch_split(work.items, work.num_items, q, k_cache, v_cache, page_tables, positions, work.seg_start,
+                  work.prog_end, work.perm, part_o, part_lse, work.pairs_per_prog, work.num_requests, work.width,
+                  scale, k_cache.shape[2] * block_ids.shape[-1], opts)
     return merge(block_ids, part_o, part_lse, out)
+
+
+def _launch_split(items, num_items: int, q, k_cache, v_cache, page_tables, positions, seg_start, prog_end, perm,
+                  part_o, part_lse, pairs_per_prog: int, num_requests: int, width: int, scale: float,
+                  pairs_per_row: int, opts: dict, strides: tuple | None = None) -> None:
+    # the split launch over a work list (items [num_items]: segment keys, -1 past the end); strides (q, k, v) when
+    # the caller has read them (host time)
+    qs, ks, vs = strides or (q.stride(), k_cache.stride(), v_cache.stride())
+    args = (items, q, k_cache, v_cache, page_tables, positions, seg_start, prog_end, perm, part_o, part_lse,
+            qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], page_tables.stride(0), pairs_per_prog,
+            num_requests, width, float(scale) * _LOG2E)
+    consts = dict(G=q.shape[1] // k_cache.shape[2], SUB=_pow2_sub(opts), D=q.shape[2], PS=k_cache.shape[1],
+                  BLOCK_N=opts["block_n"], PAIRS_PER_ROW=pairs_per_row,
+                  DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype), MASK_BRANCH=bool(opts["mask_branch"]),
+                  EVICT_FIRST=bool(opts["evict_first"]))
+    _SPLIT((num_items,), args, consts, num_warps=opts["num_warps"], num_stages=opts["num_stages"])
 
 
 def merge(block_ids: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -349,7 +349,7 @@ def split_phase(args) -> list[dict]:
 
 # the block-major kernel's launches timed beside its default: the work list and split fused into one persistent
 # launch or launched apart, partials stored evict-first or not, pairs per program, stages
-PROFILE_OPTIONS = [{}, {"fused": False}, {"evict_first": False}, {"fused": False, "evict_first": False},
+PROFILE_OPTIONS = [{}, {"fuse_split": True}, {"fused": False}, {"evict_first": False}, {"fused": False, "evict_first": False},
                    {"pairs": 128}, {"fused": False, "pairs": 128}, {"num_stages": 1}]
 
 

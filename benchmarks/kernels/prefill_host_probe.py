@@ -82,7 +82,8 @@ def main() -> int:
     x = torch.empty(10, device=dev)
     scale = bp.D ** -0.5
     res = {
-        "call (default: fused)": host_us(lambda: bp.run_split(c, sel)),
+        "call (default: work list fused, split launched)": host_us(lambda: bp.run_split(c, sel)),
+        "call (split inside the fused kernel)": host_us(lambda: bp.run_split(c, sel, {"fuse_split": True})),
         "call (unfused)": host_us(lambda: bp.run_split(c, sel, {"fused": False})),
         "fused_split alone": host_us(lambda: sp.fused_split(c["q"], c["k"], c["v"], c["table"], c["qsl"], c["pos"],
                                                             sel, 0, 1, scale, part_o, part_lse, opts)),

@@ -42,16 +42,18 @@ _DECODE = dict(G=16, BLOCK_G=16, D=128, PS=128, TOPK=16, BLOCK_TOPK=16, SPARSE=T
 
 def _variants() -> dict[str, list[tuple[str, object, dict, dict]]]:
     """group -> [(label, kernel, constexprs, launch options)] at the shipped defaults and a few alternatives."""
-    fused = dict(_PREFILL, HKV=4, TOPK=16, CHUNK=1024, BLOCK_N=128)
+    fused = dict(_PREFILL, HKV=4, TOPK=16, CHUNK=1024, BLOCK_N=128, SPLIT=True)
     plain = dict(_PREFILL, BLOCK_N=128, PAIRS_PER_ROW=64)
     decode = dict(_DECODE, SWAP=False)
     return {
         "split": [
-            ("fused, default (4 warps, SUB 4)", split._fused_kernel, dict(fused, SUB=4),
+            ("fused with the split (fuse_split; 4 warps, SUB 4)", split._fused_kernel, dict(fused, SUB=4),
              dict(num_warps=4, num_stages=2)),
-            ("fused, 8 warps", split._fused_kernel, dict(fused, SUB=4), dict(num_warps=8, num_stages=2)),
-            ("fused, SUB 2", split._fused_kernel, dict(fused, SUB=2), dict(num_warps=4, num_stages=2)),
-            ("unfused split, default", split._split_kernel, dict(plain, SUB=4), dict(num_warps=4, num_stages=2)),
+            ("fused with the split, 8 warps", split._fused_kernel, dict(fused, SUB=4), dict(num_warps=8, num_stages=2)),
+            ("fused with the split, SUB 2", split._fused_kernel, dict(fused, SUB=2), dict(num_warps=4, num_stages=2)),
+            ("fused, the work list only (the default)", split._fused_kernel, dict(fused, SUB=4, SPLIT=False),
+             dict(num_warps=4, num_stages=2)),
+            ("split launch, default (after the work list)", split._split_kernel, dict(plain, SUB=4), dict(num_warps=4, num_stages=2)),
             ("unfused split, 8 warps", split._split_kernel, dict(plain, SUB=4), dict(num_warps=8, num_stages=2)),
         ],
         "decode": [

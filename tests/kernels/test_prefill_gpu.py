@@ -78,12 +78,15 @@ def test_block_major_sparse_gpu(paged_case):
         want = attention.paged_attention_ref(*args, case.row_seq, case.positions, D ** -0.5, sel)
         if nreq == 1:
             assert attention.prompt_kind(q.shape[0], nreq, case.page_tables.shape[1], sel, HKV) == "block_major"
-        # the default (fused) kernel three times: its first grid is a program per SM, later ones what fits on
-        # the device; then other fused variants, and the work list + split as launches of their own
+        # the default (the work list's persistent kernel, then the split) three times: the kernel's first grid
+        # is a program per SM, later ones what fits on the device, and the repeats go through the compiled
+        # launchers; then other variants, the work list + split as launches of their own, and the split inside
+        # the persistent kernel (twice: its own first grid, then what fits)
         for launch in (None, None, {"max_rows": 1000},
                        {"pairs": 32, "sub": 2, "block_n": 64, "num_warps": 8, "max_rows": 1000},
                        {"pairs": 128, "num_stages": 1, "mask_branch": False, "evict_first": False},
-                       {"fused": False}, {"fused": False, "pairs": 128, "max_rows": 1000}):
+                       {"fused": False}, {"fused": False, "pairs": 128, "max_rows": 1000},
+                       {"fuse_split": True}, {"fuse_split": True}, {"fuse_split": True, "max_rows": 1000}):
             got = torch.full_like(q, float("nan"))
             prefill_sparse_split(*args, qsl, case.positions, D ** -0.5, sel, num_requests=nreq, max_len=longest,
                                  out=got, launch=launch)
@@ -91,6 +94,7 @@ def test_block_major_sparse_gpu(paged_case):
             assert _rel(got, want) < 1e-2, launch
         del want
     assert split_mod._FUSED.direct_launches > 0  # the repeated launches skipped the JIT (kernels/_triton.py)
+    assert split_mod._SPLIT.direct_launches > 0
 
 
 def test_mixed_step_gpu(paged_case):

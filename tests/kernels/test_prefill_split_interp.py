@@ -65,9 +65,11 @@ def _random_selection(positions, topk, seed, *, shuffle=False):
     (4, {"pairs": 3, "sub": 4}, False),  # W smaller than most segments: several programs per block
     (8, {"pairs": 64, "sub": 2, "max_rows": 23}, True),  # W larger than any segment; row slices of 23
     (16, {"pairs": 5, "sub": 1, "mask_branch": False}, False),  # a sub-tile that does not divide W, mask always
-    # the work list and split as launches of their own; the fused persistent kernel
+    # the work list and split as launches of their own; the split inside the persistent kernel too
     (4, {"pairs": 7, "sub": 2, "fused": False}, True),
-    (8, {"pairs": 16, "sub": 2, "fused": True, "evict_first": True}, False),
+    (8, {"pairs": 16, "sub": 2, "fused": True, "fuse_split": True, "evict_first": True}, False),
+    # the default: the persistent kernel for the work list only, the split a launch of its own over its buffers
+    (4, {"pairs": 5, "sub": 2, "fused": True, "fuse_split": False, "max_rows": 40}, True),
 ])
 def test_split_matches_ref(paged_case, dtype, group, launch, shuffle):
     case, qsl, max_len, q, _ = _case(paged_case, CHUNKS, dtype=dtype, seed=4, group=group)
