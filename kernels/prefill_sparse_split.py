@@ -18,9 +18,10 @@ is turned around (P7 tried it with W = 4-8 pairs a program and a torch work list
 3. Merge: a program per (row, KV head) combines the row's K partials by their log-sum-exp.
 
 Launches per row slice: the work list (two: count with the scan folded into its last program, scatter), the
-split, the merge. `fused` runs the work list and the split as one persistent, cooperatively launched kernel
-(grid-wide syncs between the phases, the split's programs handed out by a ticket): one launch instead of three,
-which is host time that PERF.md's single-call method counts (docs/benchmarks.md P11).
+split, the merge. `fused` (the default) builds the work list in one persistent, cooperatively launched kernel
+(grid-wide syncs between the phases): fewer launches are host time that PERF.md's single-call method counts
+(docs/benchmarks.md P11). `fuse_split` also runs the split's programs inside it (handed out by a ticket); they ran
+~10% slower there than launched (P16), so by default the split is a launch of its own.
 
 Rows go in slices of at most `max_rows` so the partials (rows * Hkv * K * G * D in q's dtype) stay bounded.
 Bytes per (token, group, block): K/V shared by up to W tokens (64 KB / W), the token's query rows (4 KB, from
