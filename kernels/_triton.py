@@ -157,22 +157,35 @@ class CompiledLaunch:
     def __call__(self, grid: tuple, args: tuple, consts: dict, **options):
         """kernel[grid](*args, **consts, **options), through the compiled launcher when this specialisation has
         been compiled (returns None then), else through the JIT (returns its CompiledKernel)."""
+        return self.bind(grid, args, consts, **options)()
+
+    def bind(self, grid: tuple, args: tuple, consts: dict, **options):
+        """The launch `__call__` would make, as a callable that makes it: the host work (key, arguments) done now,
+        the launch when called, so a caller can prepare a launch before issuing the one ahead of it and leave the
+        GPU no gap between the two (the split after the sparse prefill's work list)."""
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         if device.type != "cuda":
-            return runnable(self.kernel, device)[grid](*args, **consts, **options)
+            return lambda: runnable(self.kernel, device)[grid](*args, **consts, **options)
         key = self._key(args, consts, options, device)
         compiled = self._compiled.get(key)
         if compiled is None or launch_hooks_set():
-            compiled = self.kernel[grid](*args, **consts, **options)
-            if len(self._compiled) >= self.MAX_ENTRIES:
-                self._compiled.clear()
-            self._compiled[key] = compiled
-            return compiled
+            return lambda: self._jit_launch(key, grid, args, consts, options)
         g = tuple(grid) + (1, 1)
-        compiled.run(g[0], g[1], g[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                     None, *self._values(args, consts))
-        self.direct_launches += 1
-        return None
+        values = self._values(args, consts)
+
+        def launch():
+            compiled.run(g[0], g[1], g[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None,
+                         None, None, *values)
+            self.direct_launches += 1
+
+        return launch
+
+    def _jit_launch(self, key: tuple, grid: tuple, args: tuple, consts: dict, options: dict):
+        compiled = self.kernel[grid](*args, **consts, **options)
+        if len(self._compiled) >= self.MAX_ENTRIES:
+            self._compiled.clear()
+        self._compiled[key] = compiled
+        return compiled
 
 
 try:  # the raw current stream, as Triton's own launcher gets it (torch.cuda.current_stream builds an object)
