@@ -21,7 +21,8 @@ Launches per row slice: the work list (two: count with the scan folded into its 
 split, the merge. `fused` (the default) builds the work list in one persistent, cooperatively launched kernel
 (grid-wide syncs between the phases): fewer launches are host time that PERF.md's single-call method counts
 (docs/benchmarks.md P11). `fuse_split` also runs the split's programs inside it (handed out by a ticket); they ran
-~10% slower there than launched (P16), so by default the split is a launch of its own.
+~10% slower there than launched (P16: 255 registers and spills inside it, 243 and none launched), so by default
+the split is a launch of its own.
 
 Rows go in slices of at most `max_rows` so the partials (rows * Hkv * K * G * D in q's dtype) stay bounded.
 Bytes per (token, group, block): K/V shared by up to W tokens (64 KB / W), the token's query rows (4 KB, from
@@ -51,9 +52,10 @@ _FAR = tl.constexpr(1 << 30)  # a position past every key: padding rows never as
 # fused persistent kernel (`fused`: one launch for the work list and split, same device time, ~150 us less host
 # time a call) and partial stores marked evict-first were each the faster in the same lease. `fused: False` is the
 # fallback: the work list's two launches (kernels/sparse_work_list.py), then the split. `fuse_split` (off): the
-# split's items run inside the persistent kernel too; P16 (H100, one run): the split's device time there was
-# ~10% above the same split as launched programs (fused 682 against 630 us at 2k x 8k), so the persistent kernel
-# builds the work list only and the split is a launch of its own (events of one call -3% to -6%).
+# split's items run inside the persistent kernel too; P16 (H100, one run, 2k x 8k): that kernel took 487 us where
+# the work list alone (~30) and the split launched after it (400) took ~430, the call's device time 682 against
+# 630 us, so the persistent kernel builds the work list only and the split is a launch of its own (events of one
+# call -3% to -6% at the three P16 cases).
 SPLIT_LAUNCH = {"pairs": 64, "sub": 4, "block_n": 128, "num_warps": 4, "num_stages": 2, "max_rows": 4096,
                 "mask_branch": True, "fused": True, "fuse_split": False, "evict_first": True}
 
