@@ -32,13 +32,17 @@ _BIG = tl.constexpr(1 << 30)  # "no block": sorts after every real block id (a c
 
 
 @triton.jit
-def _scores(q, k, qk_scale_log2, DOT_FP32: tl.constexpr):
-    # q [M, D] against a key tile k [BN, D] -> base-2 logits [M, BN] (fp32 parity runs: IEEE fp32 dots)
+def _raw_scores(q, k, DOT_FP32: tl.constexpr):
+    # q [M, D] against a key tile k [BN, D] -> unscaled logits [M, BN] (fp32 parity runs: IEEE fp32 dots)
     if DOT_FP32:
-        qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))
-    return qk * qk_scale_log2
+        return tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def _scores(q, k, qk_scale_log2, DOT_FP32: tl.constexpr):
+    # q [M, D] against a key tile k [BN, D] -> base-2 logits [M, BN]
+    return _raw_scores(q, k, DOT_FP32) * qk_scale_log2
 
 
 @triton.jit

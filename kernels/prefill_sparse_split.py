@@ -21,7 +21,7 @@ Launches per row slice: the work list (two: count with the scan folded into its 
 split, the merge. `fused` (the default) builds the work list in one persistent, cooperatively launched kernel
 (grid-wide syncs between the phases): fewer launches are host time that PERF.md's single-call method counts
 (docs/benchmarks.md P11). `fuse_split` also runs the split's programs inside it (handed out by a ticket); they ran
-~10% slower there than launched (P16: 255 registers and spills inside it, 243 and none launched), so by default
+~10-13% slower there than launched (P16: 255 registers and spills inside it, 243 and none launched), so by default
 the split is a launch of its own.
 
 Rows go in slices of at most `max_rows` so the partials (rows * Hkv * K * G * D in q's dtype) stay bounded.
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton import CompiledLaunch, next_pow2, num_sms, runnable
-from kernels.prefill_attention import _scores, _softmax_update
+from kernels.prefill_attention import _raw_scores, _scores, _softmax_update
 from kernels.sparse_work_list import (CHUNK, WorkBuffers, WorkList, build_work_list, count_chunk, scan_counts,
                                       scatter_chunk, work_buffers)
 
@@ -130,14 +130,6 @@ def workspace_bytes(num_rows: int, num_kv_heads: int, topk: int, group: int, hea
 
 
 # ---- split and merge --------------------------------------------------------------------------------------------
-
-@triton.jit
-def _raw_scores(q, k, DOT_FP32: tl.constexpr):
-    # q [M, D] against a held key tile k [BN, D] -> unscaled logits [M, BN] (fp32 parity runs: IEEE fp32 dots)
-    if DOT_FP32:
-        return tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
-
 
 @triton.jit
 def _block_step(q, k, v, keys, pos, need_mask, m_i, l_i, acc, qk_scale_log2, DOT_FP32: tl.constexpr,

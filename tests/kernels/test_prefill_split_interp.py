@@ -128,6 +128,29 @@ def test_fused_calls_keep_their_buffers_and_every_partial_they_read_is_fresh(pag
     assert not split._PARTIALS and not split._WORK
 
 
+def test_the_ab_tool_loads_another_version_of_the_module_as_a_module_of_its_own(paged_case, tmp_path):
+    """benchmarks/kernels/prefill_split_ab.py times a copy of another version of this module beside the shipped
+    one: loaded from a file, it keeps its own kernels and buffers, and (here a copy of the shipped source) gives
+    the shipped module's output bit for bit."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("prefill_split_ab", root / "benchmarks/kernels/prefill_split_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    copy = tmp_path / "old_split.py"
+    shutil.copy(root / "kernels/prefill_sparse_split.py", copy)
+    old = ab.load_module(copy)
+    assert old is not split and old._split_kernel is not split._split_kernel and old._WORK is not split._WORK
+    case, qsl, max_len, q, _ = _case(paged_case, CHUNKS[:2], dtype=torch.float16, seed=12, group=4)
+    sel = _random_selection(case.positions, 4, seed=13)
+    args = (q, case.k_cache, case.v_cache, case.page_tables, qsl, case.positions, 0.25, sel)
+    want = split.prefill_sparse_split(*args, num_requests=2, max_len=max_len)
+    assert torch.equal(old.prefill_sparse_split(*args, num_requests=2, max_len=max_len), want)
+
+
 def test_work_list_covers_every_pair_once_in_block_runs():
     """Every selected (row, head, slot) sits in exactly one program's run, a run holds one (head, request, block)
     and at most W pairs, programs past the end are marked -1, and rows of a slice past row 0 find their request.
