@@ -5,8 +5,8 @@ host speed moves one call's events by more than many changes do from lease to le
 from a file (a copy of the module: `git show REV:kernels/prefill_sparse_split.py > FILE` on the dev machine, whose
 history the device copy may lack) beside the shipped module and times both, plus any launch options of the shipped
 one, on bench_prefill.py's cases: outputs against the old version (bitwise) and against the token-major kernel
-(rel. error), events of one call (PERF.md's single-call method) median over alternating rounds, host us to issue a
-call, and device us by kernel (torch profiler).
+(rel. error), events of one call (PERF.md's single-call method: the median of each round's median, the arms in
+alternating rounds), host us to issue a call, and device us by kernel (torch profiler).
 
   git show a6a17fc:kernels/prefill_sparse_split.py > .gpu/old_split.py
   PYTHONPATH=$PWD python3 benchmarks/kernels/prefill_split_ab.py --old .gpu/old_split.py \
@@ -34,25 +34,12 @@ def load_module(path: str | Path, name: str = "kernels._prefill_split_old"):
     return module
 
 
-def _events_ms(fn, reps: int) -> list[float]:
-    import torch
-
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
 def compare(arms: dict, cases: list[tuple[int, int]], rounds: int, reps: int) -> list[dict]:
     """arms: name -> (module, launch); the first is the baseline the others' outputs are compared with."""
     import torch
 
     import bench_prefill as bp
+    from graph_timing import eager_event_ms
 
     def call(arm, c, sel):
         module, launch = arms[arm]
@@ -71,14 +58,12 @@ def compare(arms: dict, cases: list[tuple[int, int]], rounds: int, reps: int) ->
             got = call(arm, c, sel)
             row["equal_to_" + base][arm] = bool(torch.equal(got, want))
             row["rel_vs_token_major"][arm] = round(bp.rel(got, ref), 6)
-        times = {arm: [] for arm in arms}
+        medians = {arm: [] for arm in arms}
         for _ in range(rounds):  # alternating: the lease's drift hits every arm alike
             for arm in arms:
-                call(arm, c, sel)
-                torch.cuda.synchronize()
-                times[arm] += _events_ms(lambda: call(arm, c, sel), reps)
+                medians[arm].append(eager_event_ms(lambda: call(arm, c, sel), reps, warmup=1))
         for arm in arms:
-            row["events_ms"][arm] = round(statistics.median(times[arm]), 4)
+            row["events_ms"][arm] = round(statistics.median(medians[arm]), 4)
             row["host_us"][arm] = round(bp.host_ms(lambda: call(arm, c, sel), calls=50) * 1e3, 1)
             row["kernels_us"][arm] = bp.kernel_times(lambda: call(arm, c, sel))
         print("row", json.dumps(row), flush=True)
