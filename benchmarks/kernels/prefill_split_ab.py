@@ -10,7 +10,7 @@ alternating rounds), host us to issue a call, and device us by kernel (torch pro
 
   git show a6a17fc:kernels/prefill_sparse_split.py > .gpu/old_split.py
   PYTHONPATH=$PWD python3 benchmarks/kernels/prefill_split_ab.py --old .gpu/old_split.py \
-      [--launches '[{"fuse_split": true}]'] [--cases 2048:8192,2048:32768,8192:8192]
+      [--old .gpu/another.py] [--launches '[{"fuse_split": true}]'] [--cases 2048:8192,2048:32768,8192:8192]
 """
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ def compare(arms: dict, cases: list[tuple[int, int]], rounds: int, reps: int) ->
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--old", required=True, help="a copy of another version of kernels/prefill_sparse_split.py")
+    ap.add_argument("--old", required=True, action="append",
+                    help="a copy of another version of kernels/prefill_sparse_split.py (again for more: each an arm "
+                         "named by its file's stem; the first is the baseline)")
     ap.add_argument("--launches", default="[]", help="JSON list of launch dicts for the shipped module, beside")
     ap.add_argument("--cases", default="2048:8192,2048:32768,8192:8192", help="T:ctx,...")
     ap.add_argument("--rounds", type=int, default=5)
@@ -85,7 +87,9 @@ def main(argv=None) -> int:
 
     from kernels import prefill_sparse_split as shipped
 
-    arms = {"old": (load_module(args.old), None), "new": (shipped, None)}
+    arms = {"old" if i == 0 else Path(path).stem: (load_module(path, f"kernels._prefill_split_old{i}"), None)
+            for i, path in enumerate(args.old)}
+    arms["new"] = (shipped, None)
     arms.update({"new " + json.dumps(o): (shipped, o) for o in json.loads(args.launches)})
     cases = [tuple(int(x) for x in s.split(":")) for s in args.cases.split(",")]
     print("device", torch.cuda.get_device_name(), flush=True)
