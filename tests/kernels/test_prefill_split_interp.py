@@ -237,3 +237,41 @@ def test_prompt_kind_rule():
     assert attention.prompt_kind(2048, 8, 64, sel, 4) == "token_major"  # 256 rows a request
     assert attention.prompt_kind(300, 1, 256, sel, 4) == "token_major"
     assert attention.prompt_kind(1 << 20, 64, 1024, sel, 4) == "token_major"  # 262k keys: past the scan's bound
+
+
+def test_every_attention_kernel_takes_a_head_major_page_layout(paged_case):
+    """benchmarks/kernels/bench_kv_layout.py times the caches held as [P, Hkv, ps, D] in memory (one KV head's page
+    contiguous) through the same kernels as the shipped [P, ps, Hkv, D]: every kernel must take the caches'
+    strides, not assume them. The decode kernel (sparse and dense), the token-major and block-major prompt kernels
+    and the cache write give the same bits on both layouts."""
+    from kernels import paged_kv
+    from kernels.prefill_attention import prefill_attention
+
+    case, qsl, max_len, q, _ = _case(paged_case, CHUNKS, dtype=torch.float16, seed=14, decode=(20, 77))
+    npf = int(qsl[-1])
+    sel = _random_selection(case.positions, 4, seed=15)
+    layouts = {name: (f(case.k_cache), f(case.v_cache)) for name, f in
+               (("nhd", lambda x: x), ("hnd", lambda x: x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)))}
+    assert layouts["hnd"][0].stride()[1:3] == (D, PS * D) and torch.equal(layouts["hnd"][0], case.k_cache)
+    got = {}
+    for name, (kc, vc) in layouts.items():
+        rows = (case.page_tables, case.row_seq[npf:], case.positions[npf:])
+        got[name] = [
+            attention.paged_decode_attention(q[npf:], kc, vc, *rows, 0.25, sel[npf:]),
+            attention.paged_decode_attention(q[npf:], kc, vc, *rows, 0.25),
+            prefill_attention(q[:npf], kc, vc, case.page_tables, qsl, case.positions[:npf], 0.25, sel[:npf],
+                              num_requests=len(CHUNKS), max_len=max_len),
+            split.prefill_sparse_split(q[:npf], kc, vc, case.page_tables, qsl, case.positions[:npf], 0.25,
+                                       sel[:npf], num_requests=len(CHUNKS), max_len=max_len),
+        ]
+        # a write of three tokens (one padding slot) into a copy of the layout, read back as [P, ps, Hkv, D]
+        kw, vw = kc.clone(memory_format=torch.preserve_format), vc.clone(memory_format=torch.preserve_format)
+        assert kw.stride() == kc.stride()
+        new = torch.randn(3, HKV, D, generator=torch.Generator().manual_seed(16)).to(kc.dtype)
+        paged_kv.write_kv(new, new + 1, None, torch.tensor([5, -1, 2 * PS + 3]), kw, vw, None, backend="triton")
+        got[name] += [kw, vw]
+    want = attention.paged_attention_ref(q, case.k_cache, case.v_cache, case.page_tables, case.row_seq,
+                                         case.positions, 0.25, sel)
+    torch.testing.assert_close(got["nhd"][0].float(), want[npf:].float(), atol=2e-3, rtol=2e-3)
+    for a, b in zip(got["nhd"], got["hnd"]):
+        assert torch.equal(a, b)
