@@ -161,8 +161,8 @@ class CompiledLaunch:
 
     def bind(self, grid: tuple, args: tuple, consts: dict, **options):
         """The launch `__call__` would make, as a callable that makes it: the host work (key, arguments) done now,
-        the launch when called, so a caller can prepare a launch before issuing the one ahead of it and leave the
-        GPU no gap between the two (the split after the sparse prefill's work list)."""
+        the launch when called. (Preparing the sparse prefill's split before the work list's launch gained
+        nothing: that moved its host work ahead of the first launch, docs/benchmarks.md P17.)"""
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         if device.type != "cuda":
             return lambda: runnable(self.kernel, device)[grid](*args, **consts, **options)

@@ -432,17 +432,17 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
             bs[0], bs[1], qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], page_tables.stride(0), pairs,
             float(scale) * _LOG2E)
     launch = dict(num_warps=opts["num_warps"], num_stages=opts["num_stages"])
-    split = None
-    if not consts["SPLIT"]:  # prepared first: the split's launch follows the work list's with no host work between
-        split = _bind_split(buf.items, buf.num_items, q, k_cache, v_cache, page_tables, positions, buf.seg_start,
-                            buf.prog_end, buf.perm, part_o, part_lse, pairs, num_requests, width, scale, hkv * topk,
-                            opts, strides=(qs, ks, vs))
     if dev.type != "cuda":
         _FUSED((1,), args, consts, **launch)
     else:
         _fused_launch(args, consts, launch, key, buf)
-    if split is not None:
-        split()
+    if not consts["SPLIT"]:
+        # bound after the work list's launch, not before: the GPU runs the work list (30-80 us) while the host
+        # prepares the split (~55 us); bound first (bab9c98), that host work only delayed the first launch
+        # (docs/benchmarks.md P17)
+        _bind_split(buf.items, buf.num_items, q, k_cache, v_cache, page_tables, positions, buf.seg_start,
+                    buf.prog_end, buf.perm, part_o, part_lse, pairs, num_requests, width, scale, hkv * topk, opts,
+                    strides=(qs, ks, vs))()
 
 
 def _fused_launch(args: tuple, consts: dict, launch: dict, key: tuple, buf: WorkBuffers) -> None:
