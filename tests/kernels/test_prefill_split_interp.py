@@ -242,8 +242,8 @@ def test_prompt_kind_rule():
 def test_every_attention_kernel_takes_a_head_major_page_layout(paged_case):
     """benchmarks/kernels/bench_kv_layout.py times the caches held as [P, Hkv, ps, D] in memory (one KV head's page
     contiguous) through the same kernels as the shipped [P, ps, Hkv, D]: every kernel must take the caches'
-    strides, not assume them. The decode kernel (sparse and dense), the token-major and block-major prompt kernels
-    and the cache write give the same bits on both layouts."""
+    strides, not assume them. The decode kernel (sparse and dense), the prompt kernels (token-major sparse, dense,
+    block-major) and the cache write give the same bits on both layouts."""
     from kernels import paged_kv
     from kernels.prefill_attention import prefill_attention
 
@@ -260,6 +260,8 @@ def test_every_attention_kernel_takes_a_head_major_page_layout(paged_case):
             attention.paged_decode_attention(q[npf:], kc, vc, *rows, 0.25, sel[npf:]),
             attention.paged_decode_attention(q[npf:], kc, vc, *rows, 0.25),
             prefill_attention(q[:npf], kc, vc, case.page_tables, qsl, case.positions[:npf], 0.25, sel[:npf],
+                              num_requests=len(CHUNKS), max_len=max_len),
+            prefill_attention(q[:npf], kc, vc, case.page_tables, qsl, case.positions[:npf], 0.25, None,
                               num_requests=len(CHUNKS), max_len=max_len),
             split.prefill_sparse_split(q[:npf], kc, vc, case.page_tables, qsl, case.positions[:npf], 0.25,
                                        sel[:npf], num_requests=len(CHUNKS), max_len=max_len),
