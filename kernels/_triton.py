@@ -157,35 +157,22 @@ class CompiledLaunch:
     def __call__(self, grid: tuple, args: tuple, consts: dict, **options):
         """kernel[grid](*args, **consts, **options), through the compiled launcher when this specialisation has
         been compiled (returns None then), else through the JIT (returns its CompiledKernel)."""
-        return self.bind(grid, args, consts, **options)()
-
-    def bind(self, grid: tuple, args: tuple, consts: dict, **options):
-        """The launch `__call__` would make, as a callable that makes it: the host work (key, arguments) done now,
-        the launch when called. (Preparing the sparse prefill's split before the work list's launch gained
-        nothing: that moved its host work ahead of the first launch, docs/benchmarks.md P17.)"""
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         if device.type != "cuda":
-            return lambda: runnable(self.kernel, device)[grid](*args, **consts, **options)
+            return runnable(self.kernel, device)[grid](*args, **consts, **options)
         key = self._key(args, consts, options, device)
         compiled = self._compiled.get(key)
         if compiled is None or launch_hooks_set():
-            return lambda: self._jit_launch(key, grid, args, consts, options)
+            compiled = self.kernel[grid](*args, **consts, **options)
+            if len(self._compiled) >= self.MAX_ENTRIES:
+                self._compiled.clear()
+            self._compiled[key] = compiled
+            return compiled
         g = tuple(grid) + (1, 1)
-        values = self._values(args, consts)
-
-        def launch():
-            compiled.run(g[0], g[1], g[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None,
-                         None, None, *values)
-            self.direct_launches += 1
-
-        return launch
-
-    def _jit_launch(self, key: tuple, grid: tuple, args: tuple, consts: dict, options: dict):
-        compiled = self.kernel[grid](*args, **consts, **options)
-        if len(self._compiled) >= self.MAX_ENTRIES:
-            self._compiled.clear()
-        self._compiled[key] = compiled
-        return compiled
+        compiled.run(g[0], g[1], g[2], _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
+                     None, *self._values(args, consts))
+        self.direct_launches += 1
+        return None
 
 
 try:  # the raw current stream, as Triton's own launcher gets it (torch.cuda.current_stream builds an object)

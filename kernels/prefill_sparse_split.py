@@ -437,12 +437,12 @@ def fused_split(q, k_cache, v_cache, page_tables, query_start_loc, positions, bl
     else:
         _fused_launch(args, consts, launch, key, buf)
     if not consts["SPLIT"]:
-        # bound after the work list's launch, not before: the GPU runs the work list (30-80 us) while the host
-        # prepares the split (~55 us); bound first (bab9c98), that host work only delayed the first launch
+        # after the work list's launch, not prepared before it: the GPU runs the work list (30-80 us) while the
+        # host prepares the split; prepared first (bab9c98), that host work only delayed the first launch
         # (docs/benchmarks.md P17)
-        _bind_split(buf.items, buf.num_items, q, k_cache, v_cache, page_tables, positions, buf.seg_start,
-                    buf.prog_end, buf.perm, part_o, part_lse, pairs, num_requests, width, scale, hkv * topk, opts,
-                    strides=(qs, ks, vs))()
+        _launch_split(buf.items, buf.num_items, q, k_cache, v_cache, page_tables, positions, buf.seg_start,
+                      buf.prog_end, buf.perm, part_o, part_lse, pairs, num_requests, width, scale, hkv * topk, opts,
+                      strides=(qs, ks, vs))
 
 
 def _fused_launch(args: tuple, consts: dict, launch: dict, key: tuple, buf: WorkBuffers) -> None:
@@ -490,17 +490,17 @@ def split_merge(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p
                 part_o: torch.Tensor, part_lse: torch.Tensor, opts: dict) -> torch.Tensor:
     """The split and merge launches of one slice of rows (q, positions, block_ids, out: the slice's rows) over
     its work list; part_o [>= pairs * G, D] and part_lse [>= pairs * G] are the workspace."""
-    _bind_split(work.items, work.num_items, q, k_cache, v_cache, page_tables, positions, work.seg_start,
-                work.prog_end, work.perm, part_o, part_lse, work.pairs_per_prog, work.num_requests, work.width,
-                scale, k_cache.shape[2] * block_ids.shape[-1], opts)()
+    _launch_split(work.items, work.num_items, q, k_cache, v_cache, page_tables, positions, work.seg_start,
+                  work.prog_end, work.perm, part_o, part_lse, work.pairs_per_prog, work.num_requests, work.width,
+                  scale, k_cache.shape[2] * block_ids.shape[-1], opts)
     return merge(block_ids, part_o, part_lse, out)
 
 
-def _bind_split(items, num_items: int, q, k_cache, v_cache, page_tables, positions, seg_start, prog_end, perm,
-                part_o, part_lse, pairs_per_prog: int, num_requests: int, width: int, scale: float,
-                pairs_per_row: int, opts: dict, strides: tuple | None = None):
-    # the split launch over a work list (items [num_items]: segment keys, -1 past the end), prepared: call it to
-    # launch; strides (q, k, v) when the caller has read them (host time)
+def _launch_split(items, num_items: int, q, k_cache, v_cache, page_tables, positions, seg_start, prog_end, perm,
+                  part_o, part_lse, pairs_per_prog: int, num_requests: int, width: int, scale: float,
+                  pairs_per_row: int, opts: dict, strides: tuple | None = None) -> None:
+    # the split launch over a work list (items [num_items]: segment keys, -1 past the end); strides (q, k, v) when
+    # the caller has read them (host time)
     qs, ks, vs = strides or (q.stride(), k_cache.stride(), v_cache.stride())
     args = (items, q, k_cache, v_cache, page_tables, positions, seg_start, prog_end, perm, part_o, part_lse,
             qs[0], qs[1], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], page_tables.stride(0), pairs_per_prog,
@@ -509,7 +509,7 @@ def _bind_split(items, num_items: int, q, k_cache, v_cache, page_tables, positio
                   BLOCK_N=opts["block_n"], PAIRS_PER_ROW=pairs_per_row,
                   DOT_FP32=torch.float32 in (q.dtype, k_cache.dtype), MASK_BRANCH=bool(opts["mask_branch"]),
                   EVICT_FIRST=bool(opts["evict_first"]))
-    return _SPLIT.bind((num_items,), args, consts, num_warps=opts["num_warps"], num_stages=opts["num_stages"])
+    _SPLIT((num_items,), args, consts, num_warps=opts["num_warps"], num_stages=opts["num_stages"])
 
 
 def merge(block_ids: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
