@@ -154,14 +154,8 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
                          HI: tl.constexpr, DI: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr,
                          DOT_FP32: tl.constexpr, FUSED: tl.constexpr, TOPK: tl.constexpr,
                          BLOCK_NB: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HP: tl.constexpr, NBT: tl.constexpr, PRELOAD: tl.constexpr, BLOCK_IT: tl.constexpr,
-                         PDL: tl.constexpr):
-    # program (n, s): decode row n, blocks s, s + S, ... of its request; writes sc[n, :, b] for those blocks.
-    # NBT blocks a tile: blocks b0, b0 + S, ..., b0 + (NBT - 1) S load as one K^T tile [DI, NBT * PS], so their
-    # loads are in flight together (Triton gives the loop's indirect tile load one buffer, issued after the
-    # previous tile's dot: one block a tile waits a full round trip per block). PRELOAD (NBT = 1): the program's
-    # BLOCK_IT page ids in one load before the loop, so the tile load depends on no load inside the loop and gets
-    # num_stages - 1 buffers
+                         HP: tl.constexpr, PDL: tl.constexpr):
+    # program (n, s): decode row n, blocks s, s + S, ... of its request; writes sc[n, :, b] for those blocks
     pdl_enter(PDL)
     n = tl.program_id(0)
     s = tl.program_id(1)
@@ -170,39 +164,20 @@ def _index_scores_kernel(q_ptr, kc_ptr, pt_ptr, row_seq_ptr, pos_ptr, sc_ptr,
     nb = p // PS + 1
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, DI)
-    c = tl.arange(0, NBT * PS)  # tile column: block c // PS of the tile, token c % PS of that block
-    t = c % PS
+    t = tl.arange(0, PS)
     q = tl.load(q_ptr + n.to(tl.int64) * q_st_n + h[:, None] * q_st_h + d[None, :], mask=(h < HI)[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    sc_row = sc_ptr + n.to(tl.int64) * sc_st_n + h * sc_st_h
-    pt_row = pt_ptr + req * pt_st_r
-    if PRELOAD:
-        it = tl.arange(0, BLOCK_IT)
-        own_pages = tl.load(pt_row + s + it * num_splits, mask=s + it * num_splits < nb, other=0)
-    for b0 in range(s, nb, num_splits * NBT):
-        blk = b0 + (c // PS) * num_splits  # [NBT * PS]
-        if NBT == 1:
-            if PRELOAD:
-                page = tl.sum(tl.where(it == (b0 - s) // num_splits, own_pages, 0), axis=0).to(tl.int64)
-            else:
-                page = tl.load(pt_row + b0).to(tl.int64)
-            kt = tl.load(kc_ptr + page * kc_st_p + t[None, :] * kc_st_o + d[:, None])  # K^T [DI, PS] of one page
-        else:
-            page = tl.load(pt_row + blk, mask=blk < nb, other=0).to(tl.int64)
-            kt = tl.load(kc_ptr + page[None, :] * kc_st_p + t[None, :] * kc_st_o + d[:, None],
-                         mask=(blk < nb)[None, :], other=0.0)
+    for b in range(s, nb, num_splits):
+        page = tl.load(pt_ptr + req * pt_st_r + b).to(tl.int64)
+        # K^T tile [DI, PS] of one page
+        kt = tl.load(kc_ptr + page * kc_st_p + t[None, :] * kc_st_o + d[:, None])
         if DOT_FP32:
             qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
         else:
             qk = tl.dot(q, kt.to(q.dtype))
-        qk = tl.where((blk * PS + t)[None, :] <= p, qk, float("-inf"))
-        if NBT == 1:
-            tl.store(sc_row + b0, tl.max(qk, axis=1), mask=h < HI)
-        else:
-            for k in tl.static_range(NBT):
-                mk = tl.max(tl.where((c // PS == k)[None, :], qk, float("-inf")), axis=1)
-                tl.store(sc_row + b0 + k * num_splits, mk, mask=(h < HI) & (b0 + k * num_splits < nb))
+        qk = tl.where((b * PS + t)[None, :] <= p, qk, float("-inf"))
+        tl.store(sc_ptr + n.to(tl.int64) * sc_st_n + h * sc_st_h + b, tl.max(qk, axis=1), mask=h < HI)
     if FUSED:
         # the last of the row's programs to arrive selects, by rank (no serial rounds), all heads at once. The
         # barrier + release add publish this program's scores; the counter is reset for the next call.
@@ -268,7 +243,7 @@ def _select_rounds_kernel(sc_ptr, pos_ptr, out_ptr, sc_st_n, sc_st_h, out_st_n, 
 # launch options (benchmarks/kernels/bench_decode.py sweeps them on the GPU). SELECT["mode"]: "auto" (rank up to
 # RANK_MAX_BLOCKS blocks, rounds above: H200, 1 x 8.7k 6.5 vs 7.5 us, 16 x 131k 158.9 vs 138.2 us), "rank" or
 # "rounds"; SELECT["heads"]: index heads per rank program.
-SCORE_LAUNCH = {"num_warps": 4, "num_stages": 3, "blocks_per_tile": 1, "preload": False}
+SCORE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 TOPK_LAUNCH = {"num_warps": None}  # None: by the selection and the block count
 SELECT = {"mode": "auto", "heads": 1}
 RANK_MAX_BLOCKS = 256
@@ -299,11 +274,7 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
     n, hi, di = q_idx.shape
     ps = index_k_cache.shape[1]
     max_pages = page_tables.shape[1]
-    launch = dict(SCORE_LAUNCH)
-    nbt, preload = launch.pop("blocks_per_tile"), launch.pop("preload")
-    splits = num_kv_splits or default_kv_splits(n, -(-max_pages // nbt), q_idx.device)
-    if preload and nbt != 1:
-        raise ValueError("index_topk: preloaded page ids need one block a tile")
+    splits = num_kv_splits or default_kv_splits(n, max_pages, q_idx.device)
     dot_fp32 = torch.float32 in (q_idx.dtype, index_k_cache.dtype)
     fused = select_into is not None
     out = select_into if fused else scores
@@ -318,8 +289,7 @@ def index_block_scores(q_idx, index_k_cache, page_tables, row_seq, positions, sc
         local_blocks,
         HI=hi, DI=di, PS=ps, BLOCK_H=max(16, next_pow2(hi)), DOT_FP32=dot_fp32, FUSED=fused, TOPK=max(topk, 1),
         BLOCK_NB=block_nb if fused else 16, BLOCK_J=_rank_tiles(hp, block_nb) if fused else 1,
-        BLOCK_K=max(16, next_pow2(topk)), HP=hp, NBT=nbt, PRELOAD=bool(preload),
-        BLOCK_IT=next_pow2(-(-max_pages // splits)) if preload else 1, PDL=pdl, **launch, **pdl_opts)
+        BLOCK_K=max(16, next_pow2(topk)), HP=hp, PDL=pdl, **SCORE_LAUNCH, **pdl_opts)
 
 
 def select_topk(scores, positions, out, topk, local_blocks, page_size, *, mode=None, pages_out=None,

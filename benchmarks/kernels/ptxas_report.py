@@ -77,13 +77,12 @@ def _variants() -> dict[str, list[tuple[str, object, dict, dict]]]:
             ("decode merge kernel (B = 1, 16 splits)", attention._merge_kernel, dict(D=128, BLOCK_S=16, PDL=False),
              dict(num_warps=4)),
         ],
-        # the decode indexer's block scores: a tile load behind a page-id load in the loop gets one buffer
+        # the decode indexer's block scores: the tile load sits behind a page-id load inside the loop, so it gets
+        # one buffer at any num_stages (docs/benchmarks.md P18: loading ids or tiles differently did not pay)
         "index": [
-            (f"index block scores, {nbt} block(s) a tile{', ids preloaded' if pre else ''}, {w} warps",
-             index_topk._index_scores_kernel,
+            ("index block scores (the decode indexer)", index_topk._index_scores_kernel,
              dict(HI=4, DI=128, PS=128, BLOCK_H=16, DOT_FP32=False, FUSED=False, TOPK=16, BLOCK_NB=16, BLOCK_J=1,
-                  BLOCK_K=16, HP=4, NBT=nbt, PRELOAD=pre, BLOCK_IT=4, PDL=True), dict(num_warps=w, num_stages=3))
-            for nbt, pre, w in ((1, False, 4), (1, True, 4), (2, False, 4), (2, False, 8))
+                  BLOCK_K=16, HP=4, PDL=True), dict(num_warps=4, num_stages=3)),
         ],
         "select": [
             ("rank selection, 8.7k tokens (68 blocks)", index_topk._select_topk_kernel,

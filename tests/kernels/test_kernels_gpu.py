@@ -1,8 +1,6 @@
 """Triton kernels vs their torch references on the GPU at the real M3 shapes (bf16; fp8 cache writes)."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -72,23 +70,6 @@ def test_index_topk_gpu(paged_case, batch, length, rows_per_request):
     # the fused path's arrival counters are left at zero: repeated calls see the same result
     for _ in range(3):
         assert torch.equal(itk.index_topk(*args, fused=True), want)
-    # the scores kernel's tile options (several blocks a K^T tile, the page ids preloaded)
-    for nbt, preload in ((2, False), (1, True)):
-        for splits in (None, 5):
-            with _score_launch(blocks_per_tile=nbt, preload=preload):
-                got = itk.index_topk_decode(*args, num_kv_splits=splits)
-            assert torch.equal(got, want), (nbt, preload, splits)
-
-
-@contextlib.contextmanager
-def _score_launch(**opts):
-    shipped = dict(itk.SCORE_LAUNCH)
-    itk.SCORE_LAUNCH.update(opts)
-    try:
-        yield
-    finally:
-        itk.SCORE_LAUNCH.clear()
-        itk.SCORE_LAUNCH.update(shipped)
 
 
 @pytest.mark.parametrize("batch,length,rows_per_request", [(1, 3000, 1), (16, 8700, 1), (4, 9000, 3)])

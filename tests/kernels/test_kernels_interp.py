@@ -116,30 +116,6 @@ def test_index_topk_matches_ref_at_every_split_count(paged_case, splits, fused, 
     assert (want == -1).any() and (want >= 0).any()  # the case covers padding and real picks
 
 
-@pytest.mark.parametrize("nbt,preload", [(2, False), (4, False), (1, True)])
-@pytest.mark.parametrize("splits", [1, 2, 5])
-def test_index_score_tiles_write_the_shipped_scores(paged_case, monkeypatch, splits, nbt, preload):
-    # several blocks a K^T tile (masked past a row's last block) or the page ids preloaded: every visible block
-    # score written, equal to one block a tile's (to rounding: the interpreter's matmul sums a wider tile in
-    # another order), and the selections (separate and fused) equal the reference's
-    case = paged_case(context_lens=_LENS, rows=_ROWS, page_size=PS, kv_heads=HKV, head_dim=D, index_dim=DI, seed=21)
-    q = torch.randn(len(_ROWS), 3, DI, generator=torch.Generator().manual_seed(22))
-    args = (q, case.index_k_cache, case.page_tables, case.row_seq, case.positions)
-    shape = (len(_ROWS), 3, case.page_tables.shape[1])
-    want_sc = torch.full(shape, float("nan"))
-    itk.index_block_scores(*args, want_sc, num_kv_splits=1)
-    monkeypatch.setitem(itk.SCORE_LAUNCH, "blocks_per_tile", nbt)
-    monkeypatch.setitem(itk.SCORE_LAUNCH, "preload", preload)
-    got_sc = torch.full(shape, float("nan"))
-    itk.index_block_scores(*args, got_sc, num_kv_splits=splits)
-    visible = torch.arange(shape[2])[None, None, :] <= (case.positions // PS)[:, None, None]
-    torch.testing.assert_close(got_sc[visible.expand(shape)], want_sc[visible.expand(shape)], rtol=1e-6, atol=1e-6)
-    assert not want_sc[visible.expand(shape)].isnan().any()
-    want = itk.index_topk_ref(*args, 3, 1)
-    for fused in (True, False):
-        assert torch.equal(itk.index_topk_decode(*args, 3, 1, num_kv_splits=splits, fused=fused), want), fused
-
-
 def test_index_topk_ties_go_to_the_lower_block(paged_case):
     # integer data: exact dot products, many equal block maxima
     gen = torch.Generator().manual_seed(6)
